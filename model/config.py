@@ -1,0 +1,81 @@
+"""Typed model configuration. Plain dataclasses: the model never sees Hydra or OmegaConf."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KDAConfig:
+    head_dim: int = 64          # d_k = d_v per head
+    conv_kernel: int = 4        # depthwise causal short convolution on q, k, v
+    chunk_size: int = 64        # chunkwise (WY/UT) training form
+
+
+@dataclass
+class MLAConfig:
+    kv_lora_rank: int = 128     # compressed kv width (what decode caches, with the rope slice)
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16  # shared across heads, never rotated (NoPE)
+    v_head_dim: int = 32
+
+
+@dataclass
+class MoEConfig:
+    n_routed_experts: int = 8
+    top_k: int = 2
+    moe_inter: int = 256        # hidden width of one routed expert
+    n_shared_experts: int = 1   # shared SwiGLU of width n_shared * moe_inter, added unweighted
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing step size
+    aux_loss_coef: float = 0.0      # optional sequence-level balance loss
+
+
+@dataclass
+class ResidualConfig:
+    """One residual mixer; the paper's ablations are options of it, never new classes."""
+    variant: str = "block"          # baseline | full | block
+    block_size: int | None = None   # sublayers per block (attention and MLP count 1 each); None: ~8 blocks
+    query: str = "learned"          # learned | input_dependent
+    kernel: str = "softmax"         # softmax | sigmoid
+    key_norm: bool = True
+    mixing: str = "attention"       # attention | static (input-independent learned scalars)
+    heads: int = 1                  # multi-head depth attention
+    window: int | None = None       # attend over the last `window` sources plus the embedding
+    two_phase: bool = True          # Block: batched inter-block phase + online-softmax merge
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_blocks: int = 8               # transformer blocks; sublayers L = 2 * n_blocks
+    n_heads: int = 4
+    dense_inter: int = 1024         # SwiGLU width of the dense layer(s)
+    n_dense_layers: int = 1         # first blocks use dense SwiGLU instead of MoE
+    mla_every: int = 4              # 3 KDA : 1 MLA; the last block is always MLA
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_blocks
+
+    def is_mla(self, block: int) -> bool:
+        return block == self.n_blocks - 1 or (block + 1) % self.mla_every == 0
+
+    def is_moe(self, block: int) -> bool:
+        return block >= self.n_dense_layers
+
+    @property
+    def block_size(self) -> int:
+        """Sublayers per AttnRes block: Full is 1; Block defaults to about 8 blocks."""
+        r = self.residual
+        if r.variant == "full":
+            return 1
+        if r.block_size is not None:
+            return r.block_size
+        return max(1, round(self.n_sublayers / 8))
