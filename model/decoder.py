@@ -1,0 +1,66 @@
+"""The Kimi-Linear-style decoder with a pluggable residual mixer.
+
+Any part may be None (a pipeline stage is this module with the other parts deleted): `embed` only on
+the first stage, `norm`/`lm_head`/`final_res` only on the last; `layers` is a ModuleDict keyed by the
+global block index so parameter names stay the same in every layout.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.layer import TransformerBlock
+from model.moe import MoE
+from model.norms import RMSNorm
+from model.residual import DepthState, build_mixer
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mixer = build_mixer(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, self.mixer) for i in range(cfg.n_blocks)})
+        self.final_res = self.mixer.make_read(cfg.n_sublayers + 1)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). Pass a dict as `diagnostics` to have it filled with
+        per-sublayer output RMS and mean depth-attention weights."""
+        state = self.mixer.start(self.embed(tokens))
+        state.diagnostics = diagnostics
+        state = self.forward_layers(state)
+        return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
+
+    def forward_layers(self, state: DepthState) -> DepthState:
+        state.reads = self.depth_reads()
+        for block in self.layers.values():
+            state = block(state, self.mixer)
+        return state
+
+    def depth_reads(self) -> dict[int, nn.Module]:
+        """Sublayer -> depth-read parameters, for the blocks present in this module."""
+        reads = {}
+        for block in self.layers.values():
+            reads[block.attn_sublayer] = block.attn_res
+            reads[block.attn_sublayer + 1] = block.mlp_res
+        return reads
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.layers.values() if isinstance(block.mlp, MoE)]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE sequence-level balance losses of the last forward (0 when disabled)."""
+        losses = [moe.aux_loss for moe in self.moe_layers()]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    @torch.no_grad()
+    def update_moe_bias(self) -> None:
+        """Aux-loss-free balancing: the trainer calls this once per optimizer step."""
+        for moe in self.moe_layers():
+            moe.update_bias()

@@ -1,0 +1,126 @@
+"""Kimi Delta Attention (KDA), the linear-attention token mixer of Kimi Linear.
+
+q, k, v pass through a depthwise causal short convolution and SiLU; q and k are L2-normalised per
+head. A gated delta rule with a per-channel decay mixes tokens (kernels/kda), and the result is
+RMS-normalised per head and gated by a sigmoid before the output projection. Parameter names follow
+flash-linear-attention's KDA layer so checkpoints map one to one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kda import kda_chunk, kda_recurrent
+from model.config import ModelConfig
+from model.norms import RMSNorm
+
+# The decay's time step dt = softplus(. + dt_bias) starts log-uniform in [DT_MIN, DT_MAX].
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+# A = exp(A_log) starts uniform in [A_MIN, A_MAX]: per-head decay rates spread over an order of magnitude.
+A_MIN, A_MAX = 1.0, 16.0
+
+
+@dataclass
+class KDAState:
+    """What decoding carries between calls: the last conv_kernel - 1 convolution inputs and the
+    recurrent state. KimiDeltaAttention.forward replaces these fields with the updated ones."""
+    conv_q: torch.Tensor     # (B, conv_kernel-1, H*K)
+    conv_k: torch.Tensor     # (B, conv_kernel-1, H*K)
+    conv_v: torch.Tensor     # (B, conv_kernel-1, H*V)
+    recurrent: torch.Tensor  # (B, H, K, V), fp32
+
+
+def _short_conv(conv: nn.Conv1d, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of x (B, T, D) continuing after tail (B, W-1, D), then SiLU.
+    Returns the output (B, T, D) and the new tail (B, W-1, D)."""
+    padded = torch.cat([tail, x], dim=1)  # (B, W-1+T, D)
+    out = conv(padded.transpose(1, 2)).transpose(1, 2)  # (B, T, D)
+    return F.silu(out), padded[:, padded.shape[1] - tail.shape[1]:]
+
+
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = H = cfg.n_heads
+        self.head_dim = K = cfg.kda.head_dim  # d_k = d_v
+        self.conv_kernel = W = cfg.kda.conv_kernel
+        self.chunk_size = cfg.kda.chunk_size
+        self.scale = K ** -0.5
+
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * K, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)  # delta-rule strength beta, per head
+
+        # Per-channel decay g = -exp(A_log) * softplus(f_proj(x) + dt_bias): low rank through K.
+        self.f_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=False))
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(A_MIN, A_MAX).log())
+        dt = torch.exp(torch.rand(H * K) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+        self.dt_bias = nn.Parameter(_inverse_softplus(dt.clamp(min=DT_FLOOR)))
+
+        # Output gate, low rank through K, applied after a per-head RMSNorm shared by all heads.
+        self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=True))
+        self.o_norm = RMSNorm(K, cfg.norm_eps)
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def new_state(self, batch: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> KDAState:
+        """Empty state: zero conv history (the training path's left padding) and zero recurrent state."""
+        H, K, W = self.n_heads, self.head_dim, self.conv_kernel
+        tail = torch.zeros(batch, W - 1, H * K, device=device, dtype=dtype)
+        return KDAState(conv_q=tail, conv_k=tail.clone(), conv_v=tail.clone(),
+                        recurrent=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+        """x: (B, T, d) -> (B, T, d). Without a state: a whole sequence from scratch (training).
+        With a state: x holds the T >= 1 tokens that follow it, and the state's fields are replaced
+        by the ones after these tokens."""
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        if state is None:
+            empty_tail = x.new_zeros(B, self.conv_kernel - 1, H * K)
+            tails = (empty_tail, empty_tail, empty_tail)
+        else:
+            tails = (state.conv_q, state.conv_k, state.conv_v)
+
+        q, tail_q = _short_conv(self.q_conv1d, self.q_proj(x), tails[0])  # (B, T, H*K)
+        k, tail_k = _short_conv(self.k_conv1d, self.k_proj(x), tails[1])  # (B, T, H*K)
+        v, tail_v = _short_conv(self.v_conv1d, self.v_proj(x), tails[2])  # (B, T, H*K)
+        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
+        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
+        v = v.view(B, T, H, K)  # (B, T, H, V)
+        beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
+        dt = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)  # (B, T, H, K)
+        g = -self.A_log.float().exp().view(H, 1) * dt  # (B, T, H, K), log decay <= 0
+
+        if state is None:
+            o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size)
+        elif T == 1:  # decode step: the plain recurrence, no chunk padding
+            o, state.recurrent = kda_recurrent(q, k, v, g, beta, self.scale, state.recurrent, True)
+        else:  # prefill continuing from the state
+            o, state.recurrent = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, state.recurrent, True)
+        if state is not None:
+            state.conv_q, state.conv_k, state.conv_v = tail_q, tail_k, tail_v
+        o = o.to(x.dtype)  # (B, T, H, V)
+
+        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)  # (B, T, H, V)
+        o = (self.o_norm(o) * gate).reshape(B, T, H * K)  # (B, T, H*V)
+        return self.o_proj(o)

@@ -1,0 +1,39 @@
+"""One transformer block: [token mixer, channel mixer], each a sublayer of the residual mixer."""
+from __future__ import annotations
+
+from torch import nn
+
+from model.config import ModelConfig
+from model.kda import KimiDeltaAttention
+from model.mla import MultiHeadLatentAttention
+from model.mlp import SwiGLU
+from model.moe import MoE
+from model.norms import RMSNorm
+from model.residual import DepthState, ResidualMixer
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, mixer: ResidualMixer):
+        super().__init__()
+        self.index = index
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = MultiHeadLatentAttention(cfg) if cfg.is_mla(index) else KimiDeltaAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter, cfg.init_std)
+        # Sublayers in paper units: attention is 2*index+1, MLP 2*index+2.
+        self.attn_res = mixer.make_read(self.attn_sublayer)
+        self.mlp_res = mixer.make_read(self.attn_sublayer + 1)
+
+    @property
+    def attn_sublayer(self) -> int:
+        return 2 * self.index + 1
+
+    def forward(self, state: DepthState, mixer: ResidualMixer) -> DepthState:
+        if state.next_sublayer != self.attn_sublayer:
+            raise RuntimeError(f"block {self.index} expects sublayer {self.attn_sublayer}, "
+                               f"the depth state is at {state.next_sublayer}")
+        h = mixer.read(state, self.attn_res)
+        mixer.write(state, self.attn(self.attn_norm(h)))
+        h = mixer.read(state, self.mlp_res)
+        mixer.write(state, self.mlp(self.mlp_norm(h)))
+        return state

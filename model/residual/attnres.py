@@ -1,0 +1,144 @@
+"""Full and Block Attention Residuals: one mixer, Full is Block with block size 1.
+
+Block n (1-based) holds sublayers (n-1)S+1 .. nS. Sublayer l at position i (0-based) in block n reads
+    i == 0: [b_0 .. b_{n-1}]            i > 0: [b_0 .. b_{n-1}, b_n^{i}]   (b_n^{i}: partial sum)
+where b_0 is the embedding. With S = 1 every output is its own block: Full AttnRes. The final read
+attends over all completed blocks plus the trailing partial sum. Ablations (query, kernel, key norm,
+static mixing, heads, window) are options of the same read.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attnres import depth_attention, depth_scores, inverse_rms, merge, phase1, source_weights, weighted_sum
+from model.config import ResidualConfig
+from model.residual.base import DepthState, ResidualMixer
+from model.residual.read import DepthRead
+
+
+class AttnResidual(ResidualMixer):
+    def __init__(self, d_model: int, n_sublayers: int, eps: float, options: ResidualConfig, block_size: int):
+        super().__init__(d_model, n_sublayers, eps)
+        self.options = options
+        self.block_size = block_size
+        self.heads = options.heads
+        self.two_phase = (options.two_phase and options.query == "learned" and options.mixing == "attention"
+                          and options.window is None)
+
+    def position(self, sublayer: int) -> int:
+        """0-based position of `sublayer` inside its block."""
+        return (sublayer - 1) % self.block_size
+
+    def n_sources(self, sublayer: int) -> int:
+        """How many sources the read before `sublayer` sees (n_sublayers + 1: the final read)."""
+        completed = 1 + (sublayer - 1) // self.block_size
+        has_partial = self.position(sublayer) > 0
+        n = completed + int(has_partial)
+        return n if self.options.window is None else min(n, 1 + self.options.window)
+
+    def make_read(self, sublayer: int) -> DepthRead:
+        return DepthRead(self.d_model, self.options, self.n_sources(sublayer), self.eps)
+
+    def start(self, embedding: torch.Tensor) -> DepthState:
+        return DepthState(blocks=[embedding], partial=None)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read(self, state: DepthState, read: DepthRead) -> torch.Tensor:
+        sublayer = state.next_sublayer
+        with_partial = self.position(sublayer) > 0 and state.partial is not None
+        if self.two_phase:
+            return self._two_phase_read(state, read, sublayer, with_partial)
+        return self._read_sources(state, read, sublayer, with_partial)
+
+    def final(self, state: DepthState, read: DepthRead) -> torch.Tensor:
+        return self._read_sources(state, read, self.n_sublayers + 1, state.partial is not None)
+
+    def _key_inv_rms(self, source: torch.Tensor) -> torch.Tensor:
+        return inverse_rms(source, self.heads, self.eps)
+
+    def _block_inv_rms(self, state: DepthState) -> list[torch.Tensor]:
+        # Each block's key norm is computed once, however many sublayers read it.
+        for block in state.blocks[len(state.block_inv_rms):]:
+            state.block_inv_rms.append(self._key_inv_rms(block))
+        return state.block_inv_rms
+
+    def _read_sources(self, state: DepthState, read: DepthRead, sublayer: int, with_partial: bool) -> torch.Tensor:
+        """The per-layer read: stack the sources, score, normalise, mix."""
+        sources = list(state.blocks) + ([state.partial] if with_partial else [])
+        keep = list(range(len(sources)))
+        if self.options.window is not None:
+            keep = [0] + keep[max(1, len(sources) - self.options.window):]
+        values = torch.stack([sources[i] for i in keep])  # (N, B, T, d)
+        if read.is_static:
+            weights = source_weights(read.logits.float(), self.options.kernel)  # (N,)
+            weights = weights[:, None, None, None].expand(-1, *values.shape[1:3], 1)  # (N, B, T, 1)
+            h = weighted_sum(weights, values)
+        else:
+            inv_rms = None
+            if read.key_norm is not None:
+                block_inv = self._block_inv_rms(state)
+                per_source = block_inv + ([self._key_inv_rms(state.partial)] if with_partial else [])
+                inv_rms = torch.stack([per_source[i] for i in keep])  # (N, B, T, H)
+            query = read.query_for(sources[-1])
+            h, weights = depth_attention(values, query, inv_rms, self.options.kernel)
+        self._record_weights(state, sublayer, weights, keep)
+        return h
+
+    def _two_phase_read(self, state: DepthState, read: DepthRead, sublayer: int, with_partial: bool) -> torch.Tensor:
+        """Algorithm 1: one batched inter-block read per block, then a merge with the partial sum."""
+        if sublayer not in state.phase1:
+            self._run_phase1(state, sublayer)
+        o1, m1, l1, scores1 = state.phase1.pop(sublayer)
+        kernel = self.options.kernel
+        if not with_partial:
+            h = o1 if kernel != "softmax" else (o1.unflatten(-1, (self.heads, -1)) / l1.unsqueeze(-1)).flatten(-2)
+            self._record_weights(state, sublayer, source_weights(scores1, kernel), None)
+            return h.to(state.blocks[0].dtype)
+        partial = state.partial
+        query = read.learned_query()
+        inv_rms = self._key_inv_rms(partial) if read.key_norm is not None else None
+        scores2 = depth_scores(partial.unsqueeze(0), query, None if inv_rms is None else inv_rms.unsqueeze(0))[0]
+        if kernel == "softmax":
+            o2, m2, l2 = partial.to(o1.dtype), scores2, torch.ones_like(scores2)
+        else:
+            o2 = weighted_sum(torch.sigmoid(scores2).unsqueeze(0), partial.unsqueeze(0)).to(o1.dtype)
+            m2 = l2 = None
+        h = merge(o1, m1, l1, o2, m2, l2, kernel)
+        if state.diagnostics is not None:
+            scores = torch.cat([scores1, scores2.unsqueeze(0)])  # (N+1, B, T, H)
+            self._record_weights(state, sublayer, source_weights(scores, kernel), None)
+        return h.to(partial.dtype)
+
+    def _run_phase1(self, state: DepthState, sublayer: int) -> None:
+        """Batch every query of this block that lives here (a pipeline stage may hold only part of it)."""
+        block_end = ((sublayer - 1) // self.block_size + 1) * self.block_size
+        members = [l for l in range(sublayer, min(block_end, self.n_sublayers) + 1) if l in state.reads]
+        if sublayer not in state.reads:
+            raise KeyError(f"depth read for sublayer {sublayer} is not registered in DepthState.reads")
+        reads = [state.reads[l] for l in members]
+        queries = torch.stack([r.learned_query() for r in reads])  # (S, H, d/H)
+        blocks = torch.stack(state.blocks)  # (N, B, T, d)
+        inv_rms = torch.stack(self._block_inv_rms(state)) if reads[0].key_norm is not None else None
+        o, m, l, scores = phase1(blocks, queries, inv_rms, self.options.kernel)
+        for j, member in enumerate(members):
+            state.phase1[member] = (o[j], m[j], l[j], scores[j])
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def write(self, state: DepthState, output: torch.Tensor) -> None:
+        self.record_output(state, output)
+        position = self.position(state.next_sublayer)
+        state.partial = output if position == 0 or state.partial is None else state.partial + output
+        if position == self.block_size - 1:
+            state.blocks.append(state.partial)
+            state.partial = None
+        state.next_sublayer += 1
+
+    def _record_weights(self, state: DepthState, sublayer: int, weights: torch.Tensor, keep) -> None:
+        """Mean depth-attention weight per source (over batch, tokens and heads), by block index."""
+        if state.diagnostics is None:
+            return
+        mean = weights.detach().double().reshape(weights.shape[0], -1).mean(-1).tolist()
+        indices = keep if keep is not None else list(range(len(mean)))
+        state.diagnostics.setdefault("depth_weights", {})[sublayer] = dict(zip(indices, mean))

@@ -1,0 +1,62 @@
+"""The residual-mixer interface: how sublayer inputs are read from, and outputs written to, depth.
+
+A decoder runs, for each sublayer l = 1..L (paper units: attention and MLP count one each):
+    h_l = mixer.read(state, read_l);  v_l = f_l(norm(h_l));  mixer.write(state, v_l)
+and ends with mixer.final(state, final_read). `read_l` holds the sublayer's own residual parameters
+(None for the baseline); it lives in the transformer block so that a pipeline stage that deletes a
+block also deletes its residual parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class DepthState:
+    """Everything that flows along depth for one batch of tokens.
+
+    blocks: completed sources b_0 (the embedding), b_1, ... (Full: every sublayer output).
+    partial: sum of the current block's outputs so far (the baseline keeps its running sum here).
+    next_sublayer: paper index of the sublayer that reads next (1-based).
+    The remaining fields are caches recomputable from the above; they never cross a pipeline stage.
+    """
+    blocks: list[torch.Tensor]
+    partial: torch.Tensor | None
+    next_sublayer: int = 1
+    reads: dict[int, nn.Module] = field(default_factory=dict)       # sublayer -> read params present here
+    block_inv_rms: list[torch.Tensor] = field(default_factory=list)  # per block, (B, T, H)
+    phase1: dict[int, tuple] = field(default_factory=dict)           # sublayer -> batched inter-block read
+    diagnostics: dict | None = None                                  # filled when requested
+
+
+class ResidualMixer:
+    """Strategy for one residual variant; holds no parameters itself (see `make_read`)."""
+
+    def __init__(self, d_model: int, n_sublayers: int, eps: float):
+        self.d_model = d_model
+        self.n_sublayers = n_sublayers
+        self.eps = eps
+
+    def make_read(self, sublayer: int) -> nn.Module | None:
+        """Parameters of the read before `sublayer` (n_sublayers + 1 is the final read)."""
+        return None
+
+    def start(self, embedding: torch.Tensor) -> DepthState:
+        raise NotImplementedError
+
+    def read(self, state: DepthState, read: nn.Module | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, state: DepthState, output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def final(self, state: DepthState, read: nn.Module | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def record_output(self, state: DepthState, output: torch.Tensor) -> None:
+        if state.diagnostics is not None:
+            rms = output.detach().double().pow(2).mean().sqrt().item()
+            state.diagnostics.setdefault("output_rms", {})[state.next_sublayer] = rms

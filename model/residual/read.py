@@ -1,0 +1,51 @@
+"""The parameters of one AttnRes depth read (one per sublayer, plus the final read)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import ResidualConfig
+from model.norms import RMSNorm
+
+
+class DepthRead(nn.Module):
+    """Pseudo-query and key norm of one sublayer's depth attention (or static mixing scalars).
+
+    Every parameter is initialised so the first read is the uniform average of its sources: the
+    query is zero (paper: "all pseudo-query vectors must be initialized to zero").
+    """
+
+    def __init__(self, d_model: int, options: ResidualConfig, n_sources: int, eps: float):
+        super().__init__()
+        self.heads = options.heads
+        if options.mixing == "static":
+            self.logits = nn.Parameter(torch.zeros(n_sources))
+            return
+        if options.query == "learned":
+            self.query = nn.Parameter(torch.zeros(d_model))
+        else:
+            # Input-dependent ablation: q = W RMSNorm(latest source); W zero so step 0 is still uniform.
+            self.query_norm = RMSNorm(d_model, eps)
+            self.query_proj = nn.Linear(d_model, d_model, bias=False)
+            nn.init.zeros_(self.query_proj.weight)
+        self.key_norm = RMSNorm(d_model, eps) if options.key_norm else None
+
+    @property
+    def is_static(self) -> bool:
+        return hasattr(self, "logits")
+
+    def _fold_gain(self, query: torch.Tensor) -> torch.Tensor:
+        # RMSNorm(k) * g . w == rmsnorm(k) . (g * w): the gain moves onto the query.
+        return query if self.key_norm is None else query * self.key_norm.weight
+
+    def learned_query(self) -> torch.Tensor:
+        """(H, d/H) query with the key-norm gain folded in."""
+        return self._fold_gain(self.query).unflatten(-1, (self.heads, -1))
+
+    def token_query(self, latest: torch.Tensor) -> torch.Tensor:
+        """(B, T, H, d/H) input-dependent query projected from the latest source."""
+        query = self.query_proj(self.query_norm(latest))
+        return self._fold_gain(query).unflatten(-1, (self.heads, -1))
+
+    def query_for(self, latest: torch.Tensor) -> torch.Tensor:
+        return self.learned_query() if hasattr(self, "query") else self.token_query(latest)

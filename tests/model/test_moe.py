@@ -1,0 +1,160 @@
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig, MoEConfig
+from model.mlp import SwiGLU
+from model.moe import MoE
+
+
+def make_moe(d=8, experts=4, top_k=2, inter=6, shared=1, scale=1.0, rate=1e-3, aux=0.0, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=d, init_std=0.3, moe=MoEConfig(
+        n_routed_experts=experts, top_k=top_k, moe_inter=inter, n_shared_experts=shared,
+        routed_scaling_factor=scale, bias_update_rate=rate, aux_loss_coef=aux))
+    return MoE(cfg)
+
+
+def hand_router(moe: MoE) -> None:
+    """scores = sigmoid(x[:4]): expert e is scored by feature e."""
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = torch.eye(4)
+
+
+def test_routing_picks_top_k_with_unbiased_weights():
+    moe = make_moe(scale=2.5)
+    hand_router(moe)
+    x = torch.zeros(2, 8)
+    x[0, :4] = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    x[1, :4] = torch.tensor([-3.0, 0.5, 4.0, 0.0])
+    ids, weights, _ = moe.route(x)
+    assert [sorted(row) for row in ids.tolist()] == [[0, 1], [1, 2]]
+    s = torch.sigmoid
+    expected = {
+        (0, 0): s(torch.tensor(2.0)) / (s(torch.tensor(2.0)) + s(torch.tensor(1.0))),
+        (1, 2): s(torch.tensor(4.0)) / (s(torch.tensor(4.0)) + s(torch.tensor(0.5))),
+    }
+    for (tok, expert), w in expected.items():
+        slot = ids[tok].tolist().index(expert)
+        torch.testing.assert_close(weights[tok, slot], 2.5 * w)
+    torch.testing.assert_close(weights.sum(-1), torch.full((2,), 2.5))
+
+    # A bias on expert 3 wins it a slot, but its weight still comes from its unbiased score sigmoid(-1).
+    moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    ids, weights, _ = moe.route(x[:1])
+    assert sorted(ids[0].tolist()) == [0, 3]
+    w3 = s(torch.tensor(-1.0)) / (s(torch.tensor(2.0)) + s(torch.tensor(-1.0)))
+    torch.testing.assert_close(weights[0, ids[0].tolist().index(3)], 2.5 * w3)
+
+
+def test_output_matches_per_token_loop():
+    moe = make_moe(d=8, experts=5, top_k=2, scale=1.7)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1, -0.4]))
+    x = torch.randn(3, 7, 8)
+    with torch.no_grad():
+        out = moe(x)
+
+        reference = torch.empty(21, 8)
+        for n, tok in enumerate(x.reshape(21, 8)):
+            scores = torch.sigmoid(moe.router.weight @ tok)
+            chosen = torch.topk(scores + moe.expert_bias, 2).indices
+            w = scores[chosen] / scores[chosen].sum() * 1.7
+            y = moe.shared(tok)
+            for e, w_e in zip(chosen.tolist(), w):
+                hidden = F.silu(tok @ moe.w_gate[e]) * (tok @ moe.w_up[e])
+                y = y + w_e * (hidden @ moe.w_down[e])
+            reference[n] = y
+    torch.testing.assert_close(out, reference.view(3, 7, 8), atol=1e-5, rtol=0)
+
+
+def test_update_bias_balances_a_skewed_router():
+    moe = make_moe(d=8, experts=8, top_k=2, rate=0.02, seed=1)
+    with torch.no_grad():
+        moe.router.weight[0, 0] = 4.0  # feature 0 is always 1, so expert 0 wins every token
+    x = torch.randn(4, 64, 8)
+    x[..., 0] = 1.0
+    moe.train()
+
+    with torch.no_grad():
+        moe(x)
+    initial = moe.load_imbalance()
+    assert initial > 3.5  # expert 0 takes all 256 of 512 assignments: 4x the mean
+    assert moe.load_fraction()[0] > 0.45
+    for _ in range(150):
+        with torch.no_grad():
+            moe(x)
+        moe.update_bias()
+    assert moe.expert_bias[0] < 0  # overloaded expert pushed down
+    with torch.no_grad():
+        moe(x)
+    final = moe.load_imbalance()
+    assert final < 1.6, (initial, final)
+
+
+def test_update_bias_direction_and_reset():
+    moe = make_moe(experts=4, rate=0.1)
+    moe.load_counts.copy_(torch.tensor([10.0, 2.0, 4.0, 4.0]))  # mean 5
+    moe.update_bias()
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    assert moe.load_counts.sum() == 0
+    moe.update_bias()  # nothing counted: no change
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    assert moe.load_imbalance() == 1.0
+
+
+def test_counts_only_in_training_and_bias_is_checkpointed():
+    moe = make_moe()
+    x = torch.randn(2, 5, 8)
+    moe.eval()
+    moe(x)
+    assert moe.load_counts.sum() == 0
+    moe.train()
+    moe(x)
+    assert moe.load_counts.sum() == 2 * 5 * 2
+    state = moe.state_dict()
+    assert "expert_bias" in state and "load_counts" not in state
+    assert "expert_bias" not in dict(moe.named_parameters())
+
+
+def test_gradients_reach_router_experts_and_shared():
+    moe = make_moe(experts=4, top_k=2)
+    x = torch.randn(4, 16, 8)
+    moe(x).pow(2).sum().backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+    for name in ("w_gate", "w_up", "w_down"):
+        grad = getattr(moe, name).grad
+        assert (grad.flatten(1).abs().sum(1) > 0).all(), name  # every expert got tokens and a gradient
+    for p in moe.shared.parameters():
+        assert p.grad.abs().sum() > 0
+
+
+def test_shared_expert_is_swiglu():
+    torch.manual_seed(0)
+    mlp = SwiGLU(8, 12, init_std=0.3)
+    x = torch.randn(5, 8)
+    expected = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    torch.testing.assert_close(mlp(x), expected)
+    assert sum(p.numel() for p in mlp.parameters()) == 3 * 8 * 12
+    moe = make_moe(d=8, inter=6, shared=2)
+    assert moe.shared.up_proj.weight.shape == (12, 8)
+
+
+def test_sequence_balance_loss():
+    moe = make_moe(experts=4, top_k=2, aux=0.01)
+    x = torch.randn(3, 6, 8)
+    moe(x)
+    with torch.no_grad():
+        expected = torch.zeros(())
+        for seq in x:
+            scores = torch.sigmoid(seq @ moe.router.weight.T)  # (T, E)
+            chosen = torch.topk(scores, 2).indices
+            f = torch.stack([(chosen == e).sum() for e in range(4)]).float() * 4 / (2 * 6)
+            p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+            expected += (f * p).sum() / 3
+    torch.testing.assert_close(moe.aux_loss, 0.01 * expected)
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+    off = make_moe(aux=0.0)
+    off(x)
+    assert off.aux_loss.item() == 0.0

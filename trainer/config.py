@@ -1,0 +1,197 @@
+"""Typed, validated configuration composed from the Hydra configs in `configs/`.
+
+`load_config(overrides)` is what tests and scripts call; `trainer.main` gets the same typed object
+from its @hydra.main config through `to_typed`. Every error is one line naming the key, the bad value
+and what is allowed, raised before any work starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message is one line."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    stop_after: int | None = None
+    seq_len: int = 256
+    micro_batch: int = 8
+    global_batch: int = 16
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    keep_last: int = 3
+    diag_every: int = 100
+    grad_clip: float = 1.0
+    max_bad_steps: int = 5
+    schedule: str = "wsd"
+    warmup_steps: int = 30
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "attnres"
+    name: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class DebugConfig:
+    crash_at_step: int | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    seed: int = 1234
+    resume: str = "auto"
+
+
+CHOICES = {
+    "variant.variant": ("baseline", "full", "block"),
+    "variant.query": ("learned", "input_dependent"),
+    "variant.kernel": ("softmax", "sigmoid"),
+    "variant.mixing": ("attention", "static"),
+    "optim.name": ("adamw", "muon"),
+    "train.schedule": ("wsd", "cosine"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+POSITIVE = (
+    "model.vocab_size", "model.d_model", "model.n_blocks", "model.n_heads", "model.dense_inter",
+    "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel", "model.kda.chunk_size",
+    "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
+    "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
+    "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch", "train.log_every",
+    "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last", "train.diag_every",
+    "train.max_bad_steps", "optim.lr",
+)
+
+
+def _get(cfg: Config, dotted: str):
+    # Users set residual options under `variant.`; they live on model.residual.
+    value = cfg.model.residual if dotted.startswith("variant.") else cfg
+    for part in dotted.split(".")[1:] if dotted.startswith("variant.") else dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def validate(cfg: Config) -> Config:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not valid; allowed: {' | '.join(allowed)}")
+    for key in POSITIVE:
+        value = _get(cfg, key)
+        if value <= 0:
+            raise ConfigError(f"{key}={value!r} must be positive")
+    m, r = cfg.model, cfg.model.residual
+    if m.d_model % r.heads:
+        raise ConfigError(f"variant.heads={r.heads} must divide model.d_model={m.d_model}")
+    if r.block_size is not None and r.block_size < 1:
+        raise ConfigError(f"variant.block_size={r.block_size} must be a positive number of sublayers or null")
+    if r.window is not None and r.window < 1:
+        raise ConfigError(f"variant.window={r.window} must be a positive number of sources or null")
+    if r.variant == "block" and r.two_phase and (r.query != "learned" or r.mixing != "attention" or r.window):
+        raise ConfigError(
+            "variant.two_phase=true needs query=learned, mixing=attention and window=null "
+            f"(got query={r.query}, mixing={r.mixing}, window={r.window}); set variant.two_phase=false")
+    if m.moe.top_k > m.moe.n_routed_experts:
+        raise ConfigError(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.n_routed_experts={m.moe.n_routed_experts}")
+    if not 0 <= m.n_dense_layers <= m.n_blocks:
+        raise ConfigError(f"model.n_dense_layers={m.n_dense_layers} must be in [0, model.n_blocks={m.n_blocks}]")
+    t = cfg.train
+    if t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}")
+    if t.stop_after is not None and t.stop_after < 1:
+        raise ConfigError(f"train.stop_after={t.stop_after} must be a positive number of steps or null")
+    if not 0 <= t.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
+    return cfg
+
+
+def _one_line(error: OmegaConfBaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    key = getattr(error, "full_key", None)
+    if key and key.startswith("model.residual."):
+        key = "variant." + key.removeprefix("model.residual.")
+    head = lines[0] if lines else type(error).__name__
+    return f"{key}: {head}" if key and key not in head else head
+
+
+def to_typed(raw: DictConfig) -> Config:
+    """Merge a composed config onto the typed schema, convert to dataclasses and validate."""
+    raw = OmegaConf.to_container(raw, resolve=False)
+    raw.pop("hydra", None)
+    # The `variant` group holds the residual options; the model carries them as model.residual.
+    raw.setdefault("model", {})["residual"] = raw.pop("variant", {})
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_one_line(error)) from None
+    return validate(cfg)
+
+
+def load_config(overrides: list[str] | None = None) -> Config:
+    """Compose configs/config.yaml with Hydra overrides (e.g. ["model=xs", "variant=full"])."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            raw = compose(config_name="config", overrides=list(overrides or []))
+    except HydraException as error:
+        cause = error.__cause__
+        reason = str(cause).splitlines()[0] if cause is not None else ""
+        raise ConfigError(f"{str(error).splitlines()[0]} {reason}".strip()) from None
+    return to_typed(raw)
