@@ -61,7 +61,8 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         H = self.n_heads
         q = self.q_proj(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
-        latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, rank), (B, T, rope)
+        kv_a = self.kv_a_proj(x)  # (B, T, rank + rope)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, rank), (B, T, rope)
         latent = self.kv_a_norm(latent)
 
         past = 0

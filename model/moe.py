@@ -29,7 +29,8 @@ class MoE(nn.Module):
         # Steered by update_bias, not by the optimizer; persistent so a resumed run keeps its balance.
         self.register_buffer("expert_bias", torch.zeros(self.n_experts))
         # Token-expert assignments since the last update_bias; a per-step statistic, not state.
-        self.register_buffer("load_counts", torch.zeros(self.n_experts), persistent=False)
+        # Integer, so casting the model to bf16 cannot round the counts.
+        self.register_buffer("load_counts", torch.zeros(self.n_experts, dtype=torch.long), persistent=False)
 
         self.w_gate = nn.Parameter(torch.empty(self.n_experts, cfg.d_model, moe.moe_inter))
         self.w_up = nn.Parameter(torch.empty(self.n_experts, cfg.d_model, moe.moe_inter))
@@ -64,7 +65,6 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.n_experts)  # (E,)
         x_sorted = x_flat[token_of]  # (N*k, d)
 
-        # Empty experts still run (on zero rows) so every parameter gets a gradient, even if zero.
         outputs = []
         for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
             h = F.silu(x_e @ self.w_gate[e]) * (x_e @ self.w_up[e])  # (n_e, inter)
@@ -75,7 +75,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x_flat)
         if self.training:
-            self.load_counts += counts.float()
+            self.load_counts += counts
         self.aux_loss = self._sequence_balance_loss(expert_ids, scores, B, T)
         return y.view(B, T, d)
 
@@ -88,7 +88,8 @@ class MoE(nn.Module):
             return scores.new_zeros(())
         E = self.n_experts
         ids = expert_ids.view(B, T * self.top_k)  # (B, T*k)
-        routed = torch.zeros(B, E, device=scores.device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))  # (B, E)
+        routed = torch.zeros(B, E, device=scores.device)
+        routed.scatter_add_(1, ids, torch.ones_like(ids, dtype=routed.dtype))  # (B, E) assignments per sequence
         f = routed * (E / (self.top_k * T))  # (B, E)
         probs = (scores / scores.sum(-1, keepdim=True)).view(B, T, E)  # (B, T, E)
         return self.aux_loss_coef * (f * probs.mean(1)).sum(-1).mean()
@@ -97,16 +98,17 @@ class MoE(nn.Module):
     def update_bias(self) -> None:
         """Raise the bias of underloaded experts and lower it for overloaded ones, then reset the counts.
         With no counted tokens every sign is 0, so this is a no-op."""
-        self.expert_bias += self.bias_update_rate * torch.sign(self.load_counts.mean() - self.load_counts)
+        load = self.load_counts.float()
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.load_counts.zero_()
 
     def load_fraction(self) -> torch.Tensor:
         """(E,) share of the token-expert assignments since the last update_bias."""
-        return self.load_counts / self.load_counts.sum().clamp_min(1.0)
+        return self.load_counts.float() / self.load_counts.sum().clamp_min(1)
 
     def load_imbalance(self) -> float:
         """max load / mean load since the last update_bias; 1.0 (balanced) when nothing was counted."""
-        mean = self.load_counts.mean()
-        if mean == 0:
+        load = self.load_counts.float()
+        if load.sum() == 0:
             return 1.0
-        return (self.load_counts.max() / mean).item()
+        return (load.max() / load.mean()).item()

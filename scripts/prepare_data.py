@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_default_corpus(cache_dir, args.vocab_size)
         else:
             prepare_cached_text_corpus(args.source, cache_dir, args.vocab_size)
-    except (DataPreparationError, DatasetCorruptError, FileNotFoundError, ValueError) as e:
+    except (DataPreparationError, FileNotFoundError, ValueError) as e:  # DatasetCorruptError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -42,7 +42,8 @@ class TokenDataset:
     def __init__(self, dataset_dir: str | Path, split: str = "train"):
         self.dataset_dir = Path(dataset_dir)
         self.split = split
-        # Sizes only: resolve_dataset already checked sha256 where the data was prepared or reused.
+        # Sizes only: sha256 is checked when prepare_data builds or reuses a dataset; re-hashing a
+        # large dataset on every rank at every start would be slow.
         manifest = verify_dataset(self.dataset_dir, check_checksums=False)
         self.vocab_size: int = manifest["vocab_size"]
         self.eot_id: int = manifest["eot_id"]

@@ -94,7 +94,7 @@ def test_update_bias_balances_a_skewed_router():
 
 def test_update_bias_direction_and_reset():
     moe = make_moe(experts=4, rate=0.1)
-    moe.load_counts.copy_(torch.tensor([10.0, 2.0, 4.0, 4.0]))  # mean 5
+    moe.load_counts.copy_(torch.tensor([10, 2, 4, 4]))  # mean 5
     moe.update_bias()
     torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
     assert moe.load_counts.sum() == 0
@@ -115,6 +115,8 @@ def test_counts_only_in_training_and_bias_is_checkpointed():
     state = moe.state_dict()
     assert "expert_bias" in state and "load_counts" not in state
     assert "expert_bias" not in dict(moe.named_parameters())
+    moe.to(torch.bfloat16)
+    assert moe.load_counts.dtype == torch.long  # counts survive a bf16 cast exactly
 
 
 def test_gradients_reach_router_experts_and_shared():
