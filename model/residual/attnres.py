@@ -64,24 +64,21 @@ class AttnResidual(ResidualMixer):
         return state.block_inv_rms
 
     def _read_sources(self, state: DepthState, read: DepthRead, sublayer: int, with_partial: bool) -> torch.Tensor:
-        """The per-layer read: stack the sources, score, normalise, mix."""
+        """The per-layer read over the sources (all blocks, the partial sum, the window)."""
         sources = list(state.blocks) + ([state.partial] if with_partial else [])
         keep = list(range(len(sources)))
         if self.options.window is not None:
             keep = [0] + keep[max(1, len(sources) - self.options.window):]
-        values = torch.stack([sources[i] for i in keep])  # (N, B, T, d)
+        values = [sources[i] for i in keep]
         if read.is_static:
-            weights = source_weights(read.logits.float(), self.options.kernel)  # (N,)
-            weights = weights[:, None, None, None].expand(-1, *values.shape[1:3], 1)  # (N, B, T, 1)
+            weights = source_weights(read.logits, self.options.kernel)[:, None, None, None]  # (N, 1, 1, 1)
             h = weighted_sum(weights, values)
         else:
             inv_rms = None
             if read.key_norm is not None:
-                block_inv = self._block_inv_rms(state)
-                per_source = block_inv + ([self._key_inv_rms(state.partial)] if with_partial else [])
-                inv_rms = torch.stack([per_source[i] for i in keep])  # (N, B, T, H)
-            query = read.query_for(sources[-1])
-            h, weights = depth_attention(values, query, inv_rms, self.options.kernel)
+                per_source = self._block_inv_rms(state) + ([self._key_inv_rms(state.partial)] if with_partial else [])
+                inv_rms = [per_source[i] for i in keep]
+            h, weights = depth_attention(values, read.query_for(sources[-1]), inv_rms, self.options.kernel)
         self._record_weights(state, sublayer, weights, keep)
         return h
 
@@ -96,18 +93,15 @@ class AttnResidual(ResidualMixer):
             self._record_weights(state, sublayer, source_weights(scores1, kernel), None)
             return h.to(state.blocks[0].dtype)
         partial = state.partial
-        query = read.learned_query()
-        inv_rms = self._key_inv_rms(partial) if read.key_norm is not None else None
-        scores2 = depth_scores(partial.unsqueeze(0), query, None if inv_rms is None else inv_rms.unsqueeze(0))[0]
+        inv_rms = [self._key_inv_rms(partial)] if read.key_norm is not None else None
+        scores2 = depth_scores([partial], read.learned_query(), inv_rms)  # (1, B, T, H)
         if kernel == "softmax":
-            o2, m2, l2 = partial.to(o1.dtype), scores2, torch.ones_like(scores2)
+            o2, m2, l2 = partial.to(o1.dtype), scores2[0], torch.ones_like(scores2[0])
         else:
-            o2 = weighted_sum(torch.sigmoid(scores2).unsqueeze(0), partial.unsqueeze(0)).to(o1.dtype)
-            m2 = l2 = None
+            o2, m2, l2 = weighted_sum(torch.sigmoid(scores2), [partial]).to(o1.dtype), None, None
         h = merge(o1, m1, l1, o2, m2, l2, kernel)
         if state.diagnostics is not None:
-            scores = torch.cat([scores1, scores2.unsqueeze(0)])  # (N+1, B, T, H)
-            self._record_weights(state, sublayer, source_weights(scores, kernel), None)
+            self._record_weights(state, sublayer, source_weights(torch.cat([scores1, scores2]), kernel), None)
         return h.to(partial.dtype)
 
     def _run_phase1(self, state: DepthState, sublayer: int) -> None:
@@ -118,9 +112,8 @@ class AttnResidual(ResidualMixer):
             raise KeyError(f"depth read for sublayer {sublayer} is not registered in DepthState.reads")
         reads = [state.reads[l] for l in members]
         queries = torch.stack([r.learned_query() for r in reads])  # (S, H, d/H)
-        blocks = torch.stack(state.blocks)  # (N, B, T, d)
-        inv_rms = torch.stack(self._block_inv_rms(state)) if reads[0].key_norm is not None else None
-        o, m, l, scores = phase1(blocks, queries, inv_rms, self.options.kernel)
+        inv_rms = self._block_inv_rms(state) if reads[0].key_norm is not None else None
+        o, m, l, scores = phase1(state.blocks, queries, inv_rms, self.options.kernel)
         for j, member in enumerate(members):
             state.phase1[member] = (o[j], m[j], l[j], scores[j])
 

@@ -74,7 +74,7 @@ def assert_same(a, b, atol=1e-10):
 
 
 def test_worked_numbers_from_design():
-    values = torch.tensor([10.0, 2.0]).view(2, 1, 1, 1)  # (N, B, T, d=1), raw keys
+    values = [torch.tensor([[[10.0]]]), torch.tensor([[[2.0]]])]  # N x (B, T, d=1), raw keys
     h, alpha = depth_attention(values, torch.tensor([[0.3]]), inv_rms=None)
     assert alpha.flatten().tolist() == pytest.approx([0.9168, 0.0832], abs=1e-4)
     assert h.item() == pytest.approx(9.3346, abs=1e-4)

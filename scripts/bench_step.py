@@ -1,0 +1,69 @@
+"""Forward+backward step time of baseline vs Full vs Block AttnRes in one process.
+
+Variants are interleaved round by round so drift in machine load hits all of them alike; the
+median over rounds is reported with its ratio to the baseline.
+
+    python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from model import build_model
+from trainer.config import load_config
+
+CASES = {
+    "baseline": ["variant=baseline"],
+    "full": ["variant=full"],
+    "block (two-phase)": ["variant=block", "variant.two_phase=true"],
+    "block (per-layer read)": ["variant=block", "variant.two_phase=false"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="s")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models, tokens = {}, None
+    for name, overrides in CASES.items():
+        torch.manual_seed(0)
+        models[name] = build_model(load_config([f"model={args.model}", *overrides]))
+        vocab = models[name].cfg.vocab_size
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    def step(model) -> float:
+        start = time.perf_counter()
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for model in models.values():  # warm-up
+        step(model)
+    times = {name: [] for name in models}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            times[name].append(step(model))
+
+    base = statistics.median(times["baseline"])
+    print(f"model={args.model} batch={args.batch} seq={args.seq} rounds={args.rounds} "
+          f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"{'variant':<24}{'step (ms)':>12}{'ratio':>8}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"{name:<24}{median * 1e3:>12.1f}{median / base:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Every model x variant composes; bad values fail with one line naming key, value and what is allowed."""
+import pytest
+import torch
+
+from model import build_model
+from model.params import count_parameters
+from trainer.config import CONFIG_DIR, ConfigError, load_config
+
+MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
+VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
+
+
+def test_groups_are_the_documented_ones():
+    assert MODELS == ["kimi_linear_48b", "l", "m", "s", "xs"]
+    assert VARIANTS == ["baseline", "block", "full"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_model_and_variant_composes(model, variant):
+    cfg = load_config([f"model={model}", f"variant={variant}"])
+    assert cfg.model.residual.variant == variant
+    if variant == "full":
+        assert cfg.model.block_size == 1
+    if variant == "block":  # the default block size gives about 8 blocks
+        n_blocks = -(-cfg.model.n_sublayers // cfg.model.block_size)
+        assert 6 <= n_blocks <= 10
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("variant.kernel=tanh", "variant.kernel='tanh' is not valid; allowed: softmax | sigmoid"),
+    ("variant.query=random", "variant.query='random' is not valid; allowed: learned | input_dependent"),
+    ("variant.heads=3", "variant.heads=3 must divide model.d_model=256"),
+    ("variant.block_size=0", "variant.block_size=0"),
+    ("variant.mixing=static", "variant.two_phase=true needs query=learned"),
+    ("model.d_model=abc", "model.d_model"),
+    ("optim=sgd", "optim/sgd"),
+    ("train.global_batch=12", "train.global_batch=12 must be a multiple of train.micro_batch=8"),
+    ("variant.nonsense=1", "nonsense"),
+    ("model.moe.top_k=9", "model.moe.top_k=9 exceeds model.moe.n_routed_experts=8"),
+])
+def test_invalid_value_fails_with_one_clear_line(override, fragment):
+    with pytest.raises(ConfigError) as error:
+        load_config([override])
+    message = str(error.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_sizes_have_the_documented_parameter_counts():
+    active = {}
+    for size in ["xs", "s", "m", "l"]:
+        with torch.device("meta"):
+            active[size] = count_parameters(build_model(load_config([f"model={size}"])))["active"]
+    assert 0.6e6 < active["xs"] < 1.5e6
+    assert 8e6 < active["s"] < 14e6
+    assert 40e6 < active["m"] < 65e6
+    assert 170e6 < active["l"] < 250e6
+
+
+def test_kimi_linear_48b_shape_matches_the_published_model():
+    cfg = load_config(["model=kimi_linear_48b", "variant=block"])
+    with torch.device("meta"):
+        model = build_model(cfg)
+    counts = count_parameters(model)
+    assert 48e9 <= counts["total"] <= 49.5e9  # published: 48B total
+    assert 2.8e9 <= counts["active"] <= 3.6e9  # published: ~3B activated
+    mla_blocks = [i for i in range(cfg.model.n_blocks) if cfg.model.is_mla(i)]
+    assert mla_blocks == [3, 7, 11, 15, 19, 23, 26]  # 3:1 KDA:MLA, last block MLA
+
+
+def test_model_returns_logits_of_vocab_width():
+    cfg = load_config(["model=xs"])
+    logits = build_model(cfg)(torch.randint(0, cfg.model.vocab_size, (2, 5)))
+    assert logits.shape == (2, 5, cfg.model.vocab_size)
