@@ -103,7 +103,8 @@ def _complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
 
 
 def _prune(checkpoints_dir: Path, keep_last: int) -> None:
-    for old in _complete_checkpoints(checkpoints_dir)[:-keep_last]:
+    complete = _complete_checkpoints(checkpoints_dir)
+    for old in complete[: max(0, len(complete) - keep_last)]:
         shutil.rmtree(old)
     # Leftovers of saves killed mid-write; the save in progress has already been renamed.
     for stale in checkpoints_dir.glob(TMP_PREFIX + "*"):
@@ -156,8 +157,9 @@ def resolve_checkpoint(path_or_run_dir: str | Path) -> Path:
         if latest is None:
             raise CheckpointError(f"run directory {path} has no complete checkpoint in {path / CHECKPOINTS_DIR}")
         return latest
-    what = "is neither" if path.exists() else "does not exist; expected"
-    raise CheckpointError(f"{path} {what} a checkpoint directory (step_XXXXXXXX) "
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    raise CheckpointError(f"{path} is neither a checkpoint directory (step_XXXXXXXX with {META_FILE}) "
                           f"nor a run directory with a {CHECKPOINTS_DIR}/ folder")
 
 
@@ -183,7 +185,7 @@ def _one_line(error: BaseException) -> str:
         rank, (error, _) = next(iter(error.failures.items()))
         prefix = f"rank {rank}: "
     lines = str(error).splitlines()
-    return f"{prefix}{type(error).__name__}: {lines[0] if lines else ''}"
+    return f"{prefix}{type(error).__name__}" + (f": {lines[0]}" if lines else "")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, scheduler, rank: int,

@@ -78,7 +78,9 @@ class LoggingConfig:
 
 @dataclass
 class DebugConfig:
-    crash_at_step: int | None = None
+    """Fault injection for reliability tests."""
+    crash_at_step: int | None = None                              # the process dies once at this step
+    nan_loss_steps: list[int] = field(default_factory=list)      # these steps get a NaN loss
 
 
 @dataclass

@@ -58,9 +58,9 @@ def split_parameters(model: nn.Module, use_muon: bool) -> tuple[list, list, list
     A_log, dt_bias) nor on the embedding, whose rows of rare tokens decay towards 0 between their updates.
     With use_muon, every 2-D matrix except the embedding and the output head goes to Muon (the standard
     split: those two are lookups/classifiers, not hidden linear maps). The 3-D stacked expert weights stay
-    on AdamW: torch.optim.Muon orthogonalises 2-D parameters only, and per-expert orthogonalisation would
-    need a custom Muon (their (E, d, inter) layout is also transposed from nn.Linear's (out, in), which
-    Muon's shape-based lr adjustment assumes).
+    on AdamW: torch.optim.Muon refuses non-2-D parameters, and orthogonalising each expert's slice would
+    need a custom Muon (which would also have to swap dims in its out/in lr scaling: the slices are
+    (in, out), the transpose of nn.Linear's weight).
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     muon, decay, no_decay = [], [], []

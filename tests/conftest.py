@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny prepared corpus (no network) and trainer overrides for fast runs."""
+import random
+import subprocess
+import sys
+
+import pytest
+
+from scripts.prepare_data import prepare_text_corpus
+
+WORDS = "the king queen lord crown sword night day love death speak hath thou thee fair foul ghost".split()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A prepared dataset of pseudo-English text with a 512-token BPE (model=xs's vocab)."""
+    root = tmp_path_factory.mktemp("tiny_corpus")
+    rng = random.Random(0)
+    texts = root / "texts"
+    texts.mkdir()
+    for i in range(30):
+        lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(80))
+        (texts / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    return prepare_text_corpus([texts], root / "prepared", 512)
+
+
+def fast_train_overrides(run_dir, dataset, steps=6, **extra):
+    overrides = {
+        "model": "xs", "run.dir": str(run_dir), "data.path": str(dataset), "train.steps": steps,
+        "train.seq_len": 32, "train.micro_batch": 2, "train.global_batch": 4, "train.log_every": 1,
+        "train.eval_every": 3, "train.eval_batches": 2, "train.ckpt_every": 3, "train.diag_every": 3,
+        "train.warmup_steps": 2, "logging.wandb.mode": "disabled",
+    }
+    overrides.update(extra)
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
+def torchrun(overrides, nproc=2, max_restarts=0, timeout=240):
+    """Launch trainer.main under torchrun on gloo; returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "trainer.main", *overrides]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

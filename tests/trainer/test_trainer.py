@@ -1,0 +1,114 @@
+"""The trainer: exact resume (single process and DDP), DDP == single process, crash recovery,
+non-finite steps, and refusals that name what is wrong."""
+import json
+
+import pytest
+import torch
+
+from conftest import fast_train_overrides, torchrun
+from parallel.dims import init_distributed
+from trainer.checkpoint import CheckpointError, latest_checkpoint
+from trainer.config import ConfigError, load_config
+from trainer.trainer import NonFiniteError, Trainer
+
+
+def train(overrides):
+    return Trainer(load_config(overrides), init_distributed()).fit()
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def test_stop_and_resume_gives_the_uninterrupted_losses_bitwise(tmp_path, tiny_dataset):
+    train(fast_train_overrides(tmp_path / "straight", tiny_dataset, steps=8))
+    train(fast_train_overrides(tmp_path / "resumed", tiny_dataset, steps=8, **{"train.stop_after": 4}))
+    assert latest_checkpoint(tmp_path / "resumed").name == "step_00000004"
+    assert max(losses(tmp_path / "resumed")) == 4
+    train(fast_train_overrides(tmp_path / "resumed", tiny_dataset, steps=8))
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(straight) == sorted(resumed) == list(range(1, 9))
+    assert straight == resumed  # bitwise: float equality of every step's loss
+    val = lambda d: [r["val_loss"] for r in metrics(d) if "val_loss" in r]  # noqa: E731
+    assert val(tmp_path / "straight") == val(tmp_path / "resumed")
+
+
+def test_loss_falls_and_metrics_and_diagnostics_are_written(tmp_path, tiny_dataset):
+    run = tmp_path / "run"
+    train(fast_train_overrides(run, tiny_dataset, steps=12, **{"optim.lr": 1e-2, "train.diag_every": 6}))
+    records = metrics(run)
+    for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mb", "moe_load_imbalance"]:
+        assert key in records[0], key
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    diagnostics = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in diagnostics] == [6, 12]
+    last = diagnostics[-1]
+    assert len(last["output_rms"]) == 8 and len(last["grad_rms"]) == 4
+    assert set(last["depth_weights"]) == {str(l) for l in range(1, 10)}  # 8 sublayers + the final read
+    for row in last["depth_weights"].values():
+        assert sum(row.values()) == pytest.approx(1.0, abs=1e-6)
+    assert (run / "config.yaml").is_file()
+
+
+def test_non_finite_step_is_skipped_and_too_many_stop_the_run(tmp_path, tiny_dataset):
+    run = tmp_path / "skip"
+    train(fast_train_overrides(run, tiny_dataset, steps=5, **{"debug.nan_loss_steps": "[2]"}))
+    records = metrics(run)
+    assert records[-1]["skipped_steps"] == 1
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if r["step"] != 2)
+
+    stop = tmp_path / "stop"
+    with pytest.raises(NonFiniteError, match="3 steps in a row"):
+        train(fast_train_overrides(stop, tiny_dataset, steps=6, **{
+            "debug.nan_loss_steps": "[4,5,6]", "train.max_bad_steps": 3, "train.ckpt_every": 100}))
+    assert latest_checkpoint(stop) is None
+
+
+def test_resume_with_another_variant_names_the_mismatch(tmp_path, tiny_dataset):
+    run = tmp_path / "run"
+    train(fast_train_overrides(run, tiny_dataset, steps=3))
+    with pytest.raises(CheckpointError, match="variant"):
+        train(fast_train_overrides(run, tiny_dataset, steps=6, variant="full"))
+
+
+def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
+    run = tmp_path / "run"
+    train(fast_train_overrides(run, tiny_dataset, steps=3))
+    with pytest.raises(ConfigError, match="resume=never"):
+        train(fast_train_overrides(run, tiny_dataset, steps=6, resume="never"))
+
+
+def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset):
+    single, ddp, ddp_resumed = tmp_path / "single", tmp_path / "ddp", tmp_path / "ddp_resumed"
+    train(fast_train_overrides(single, tiny_dataset, steps=6))
+    for run, extra in [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {})]:
+        result = torchrun(fast_train_overrides(run, tiny_dataset, steps=6, **extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two, two_resumed = losses(single), losses(ddp), losses(ddp_resumed)
+    assert two == two_resumed  # DDP resume is bitwise too
+    # Same global batch, gradients averaged over 2 ranks instead of accumulated in one: equal up to
+    # float summation order.
+    assert sorted(one) == sorted(two)
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+def test_killed_rank_is_restarted_by_torchrun_and_loses_no_step(tmp_path, tiny_dataset):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    train(fast_train_overrides(straight, tiny_dataset, steps=6, **{"train.ckpt_every": 2}))
+    result = torchrun(fast_train_overrides(crashed, tiny_dataset, steps=6, **{
+        "train.ckpt_every": 2, "debug.crash_at_step": 3}), nproc=1, max_restarts=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    records = metrics(crashed)
+    # The crash comes after 3 steps; the restart resumes from step 2's checkpoint and redoes step 3.
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5, 6]
+    reference = losses(straight)
+    # torchrun runs with OMP_NUM_THREADS=1, this process with more threads: equal up to summation order.
+    for record in records:
+        assert record["loss"] == pytest.approx(reference[record["step"]], rel=1e-5), record["step"]

@@ -1,0 +1,38 @@
+"""Pre-flight: validate the config and prepare the data in one process, before torchrun starts ranks.
+
+    python -m trainer.check --nproc 2 [hydra overrides]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.config import ConfigError, load_config
+from trainer.data import num_windows, open_dataset, resolve_dataset
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=1, help="processes torchrun will start (data-parallel ranks)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides)
+        train = cfg.train
+        if train.global_batch % (train.micro_batch * args.nproc):
+            raise ConfigError(f"train.global_batch={train.global_batch} must be a multiple of "
+                              f"train.micro_batch * nproc = {train.micro_batch} * {args.nproc}")
+        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
+        data = open_dataset(resolved, "train", cfg.model.vocab_size)
+        if num_windows(len(data), train.seq_len) < train.global_batch:
+            raise ConfigError(f"train.seq_len={train.seq_len}: {len(data)} training tokens hold fewer windows "
+                              f"than train.global_batch={train.global_batch}")
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    print(f"config ok: model d={cfg.model.d_model} x {cfg.model.n_blocks} blocks, "
+          f"variant={cfg.model.residual.variant}, data {resolved}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
