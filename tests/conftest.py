@@ -4,8 +4,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from scripts.prepare_data import prepare_text_corpus
+
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread_per_worker():
+    """pytest runs one worker per core (-n 2); more threads per worker only wait on each other
+    (Muon's bf16 Newton-Schulz slows down ~5x with two threads on a busy 2-core machine)."""
+    torch.set_num_threads(1)
+
 
 WORDS = "the king queen lord crown sword night day love death speak hath thou thee fair foul ghost".split()
 

@@ -231,10 +231,17 @@ def _flatten(values: dict, prefix: str) -> dict[str, object]:
     return flat
 
 
+# Fields a resumed run may change: they neither shape the weights nor change what the model computes
+# beyond training dynamics (two_phase is an exact rewrite of the per-layer read).
+RESUMABLE_CHANGES = ("model.init_std", "model.kda.chunk_size", "model.moe.bias_update_rate",
+                     "model.moe.aux_loss_coef", "model.residual.two_phase")
+
+
 def model_fingerprint(model_cfg: ModelConfig) -> str:
-    """Every ModelConfig field as `key=value`, space-separated, named as the override that sets it
-    (`model.d_model=256 ... variant.variant=block`), so a mismatch says what to change."""
+    """The ModelConfig fields that define the model, as `key=value`, space-separated, named as the
+    override that sets it (`model.d_model=256 ... variant.variant=block`), so a mismatch says what to change."""
     flat = _flatten(dataclasses.asdict(model_cfg), "model.")
+    flat = {key: value for key, value in flat.items() if key not in RESUMABLE_CHANGES}
     # Residual options are set through the `variant` config group.
     return " ".join(f"{key.replace('model.residual.', 'variant.', 1)}={value}" for key, value in flat.items())
 

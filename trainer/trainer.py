@@ -68,7 +68,8 @@ class Trainer:
         self.step = 0
         self.bad_steps_in_row = 0
         self.skipped_steps = 0
-        self.fingerprint = model_fingerprint(cfg.model)
+        # The optimizer joins the fingerprint: AdamW state cannot be loaded into Muon + AdamW.
+        self.fingerprint = f"{model_fingerprint(cfg.model)} optim={cfg.optim.name}"
         self.resumed_from = self._resume()
 
     # -- set-up ----------------------------------------------------------------------------------

@@ -22,16 +22,6 @@ from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is faster than two, and far faster on a busy CPU (Muon's bf16 matmuls
-    slow down ~5x when two threads wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(["model=xs", "train.steps=20", "train.warmup_steps=4"])

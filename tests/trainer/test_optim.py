@@ -11,16 +11,6 @@ from trainer.config import TrainConfig, load_config
 from trainer.optim import build_optimizer, build_scheduler, lr_multiplier
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is faster than two, and far faster on a busy CPU (Muon's bf16 matmuls
-    slow down ~5x when two threads wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def multipliers(**train) -> list[float]:
     cfg = TrainConfig(**train)
     return [lr_multiplier(step, cfg) for step in range(cfg.steps)]
