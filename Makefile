@@ -22,3 +22,18 @@ test: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# `make train`: Block AttnRes at model=s on the Shakespeare corpus, 2 processes under torchrun.
+# Extra Hydra overrides go in ARGS, e.g. make train ARGS="variant=full train.steps=300".
+NPROC ?= 2
+RUN_DIR ?= runs/train
+ARGS ?=
+THREADS := $(shell n=$$(nproc); t=$$((n / $(NPROC))); [ $$t -ge 1 ] && echo $$t || echo 1)
+
+train: setup
+	$(PY) -m trainer.check --nproc $(NPROC) run.dir=$(RUN_DIR) $(ARGS)
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		-m trainer.main run.dir=$(RUN_DIR) $(ARGS)
+
+bench: setup
+	$(PY) -m scripts.bench_step

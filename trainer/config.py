@@ -28,21 +28,21 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 100
     stop_after: int | None = None
-    seq_len: int = 256
+    seq_len: int = 128
     micro_batch: int = 8
     global_batch: int = 16
-    log_every: int = 10
-    eval_every: int = 50
+    log_every: int = 5
+    eval_every: int = 25
     eval_batches: int = 8
-    ckpt_every: int = 100
+    ckpt_every: int = 50
     keep_last: int = 3
-    diag_every: int = 100
+    diag_every: int = 50
     grad_clip: float = 1.0
     max_bad_steps: int = 5
     schedule: str = "wsd"
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     decay_fraction: float = 0.2
     min_lr_ratio: float = 0.1
 

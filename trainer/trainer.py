@@ -121,6 +121,9 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         log = MetricsLogger(cfg, self.run_dir, self.info.is_main, self.step)
         self._announce(log)
+        if self.step >= train.steps:
+            log.print(f"run already complete at step {self.step}/{train.steps}; raise train.steps to continue it, "
+                      "or pick another run.dir")
         record: dict = {}
         steps_this_launch = 0
         try:
