@@ -17,8 +17,9 @@ setup(
         "wandb>=0.17",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.5"],
-        "gpu": ["flash-linear-attention"],
+        # triton runs the fused kernels on CPU under TRITON_INTERPRET=1, which is how the tests use it.
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.4,<4"],
+        "gpu": ["triton>=3.4,<4", "flash-linear-attention"],
         "megatron": ["megatron-core"],
     },
 )

@@ -61,3 +61,29 @@ def all_reduce_sum_(value: torch.Tensor) -> torch.Tensor:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass
+class Layout:
+    """Where this rank sits in the dp x pp mesh, and the groups it talks to."""
+    dp: int
+    pp: int
+    dp_rank: int
+    pp_rank: int
+    dp_group: object | None
+    pp_group: object | None
+
+
+def build_layout(info: DistInfo, dp: int | None, pp: int) -> Layout:
+    """A 2-D (dp, pp) device mesh over all ranks; dp=None takes what pp leaves."""
+    dp = dp if dp is not None else info.world_size // pp
+    if dp * pp != info.world_size:
+        raise ValueError(f"parallel.dp * parallel.pp = {dp} * {pp} = {dp * pp} does not match the "
+                         f"{info.world_size} processes torchrun started")
+    if info.world_size == 1:
+        return Layout(1, 1, 0, 0, None, None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(info.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return Layout(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"),
+                  mesh.get_group("dp"), mesh.get_group("pp"))

@@ -77,6 +77,15 @@ class LoggingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp: int | None = None             # data-parallel replicas; null: world size / pp
+    pp: int = 1                       # pipeline ranks
+    vp: int = 1                       # virtual stages (chunks) per pipeline rank
+    schedule: str = "interleaved_1f1b"
+    pp_cache: bool = True             # cross-stage caching of block representations
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for reliability tests."""
     crash_at_step: int | None = None                              # the process dies once at this step
@@ -91,6 +100,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1234
     resume: str = "auto"
@@ -104,6 +114,7 @@ CHOICES = {
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
+    "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),
 }
 
 POSITIVE = (
@@ -113,7 +124,7 @@ POSITIVE = (
     "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
     "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch", "train.log_every",
     "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last", "train.diag_every",
-    "train.max_bad_steps", "optim.lr",
+    "train.max_bad_steps", "optim.lr", "parallel.pp", "parallel.vp",
 )
 
 
@@ -156,6 +167,25 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.stop_after={t.stop_after} must be a positive number of steps or null")
     if not 0 <= t.decay_fraction <= 1:
         raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    p = cfg.parallel
+    if p.dp is not None and p.dp < 1:
+        raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
+    if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
+        raise ConfigError(f"parallel.schedule={p.schedule} runs one stage per rank; parallel.vp={p.vp} needs "
+                          "interleaved_1f1b")
+    if p.schedule == "zero_bubble" and p.pp_cache and r.variant != "baseline":
+        raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
+                          "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
+    if p.pp > 1:
+        if p.pp * p.vp > m.n_blocks:
+            raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
+                              f"{m.n_blocks} transformer blocks")
+        if m.moe.aux_loss_coef:
+            raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss is not "
+                              "supported under pipeline parallelism (parallel.pp > 1); set it to 0")
+        if r.window is not None and p.pp_cache:
+            raise ConfigError("variant.window with parallel.pp_cache=true is not supported: blocks outside the window "
+                              "get no gradient to carry back; set parallel.pp_cache=false")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
     return cfg

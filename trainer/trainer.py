@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from model import build_model
-from parallel.dims import DistInfo, all_reduce_mean, all_reduce_sum_, barrier
-from parallel.parallelize import parallelize, sync_moe_load, unwrap
+from parallel.dims import DistInfo, build_layout, barrier
+from parallel.parallelize import build_engine, clip_grad_norm, sync_moe_load
 from trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint,
                                 resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError
@@ -44,24 +43,30 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 class Trainer:
     def __init__(self, cfg: Config, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run.dir).resolve()
-        train = cfg.train
-        dp = info.world_size
+        train, parallel = cfg.train, cfg.parallel
+        try:
+            self.layout = build_layout(info, parallel.dp, parallel.pp)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        dp = self.layout.dp
         if train.global_batch % (train.micro_batch * dp):
             raise ConfigError(f"train.global_batch={train.global_batch} must be a multiple of "
                               f"train.micro_batch * dp = {train.micro_batch} * {dp}")
         self.accumulation = train.global_batch // (train.micro_batch * dp)
+        if parallel.pp > 1 and parallel.vp > 1 and self.accumulation % parallel.pp:
+            raise ConfigError(f"interleaved pipelining needs the microbatches per step (train.global_batch / "
+                              f"(train.micro_batch * dp) = {self.accumulation}) to be a multiple of parallel.pp="
+                              f"{parallel.pp}")
         self._check_resume_target()
         self._open_data()
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        self.model = parallelize(build_model(cfg), info)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every layout
+        self.engine = build_engine(build_model(cfg), info, self.layout, parallel, train.micro_batch,
+                                   train.seq_len, self.accumulation)
+        self.model = self.engine.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, train)
         self.sampler = SequenceSampler(len(self.train_data), train.seq_len, cfg.seed)
@@ -104,7 +109,7 @@ class Trainer:
         if path is None:
             return None
         optimizers = self.optimizer.optimizers
-        extra, _ = load_checkpoint(path, unwrap(self.model), optimizers, self.scheduler, self.info.rank,
+        extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
                                    fingerprint=self.fingerprint)
         self.step = extra["step"]
         self.skipped_steps = extra.get("skipped_steps", 0)
@@ -121,6 +126,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         log = MetricsLogger(cfg, self.run_dir, self.info.is_main, self.step)
         self._announce(log)
+        comm_logged = False
         if self.step >= train.steps:
             log.print(f"run already complete at step {self.step}/{train.steps}; raise train.steps to continue it, "
                       "or pick another run.dir")
@@ -131,6 +137,9 @@ class Trainer:
                 self._maybe_crash()
                 record = self.train_step()
                 steps_this_launch += 1
+                if not comm_logged:
+                    self._log_comm_volume(log)
+                    comm_logged = True
                 log.advance(record["loss"], record["tokens_per_s"])
                 if self.step % train.eval_every == 0 or self.step == train.steps:
                     record["val_loss"] = self.evaluate()
@@ -167,6 +176,16 @@ class Trainer:
             marker.touch()
             os._exit(13)
 
+    def _log_comm_volume(self, log: MetricsLogger) -> None:
+        report = self.engine.comm_report()
+        if report is None:
+            return
+        d = self.cfg.model.d_model
+        log.print(f"pipeline pp={report['pp']} vp={report['vp']} cache={report['cache']}: vectors per token "
+                  f"per transition {report['vectors_per_token']} (total {sum(report['vectors_per_token'])} x d={d}); "
+                  f"measured bytes per token on this rank {report['measured_bytes_per_token']}")
+        log.log({"step": self.step, "pp_comm": report})
+
     def _autocast(self):
         if self.info.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -175,34 +194,25 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, train = self.cfg, self.cfg.train
         start = time.perf_counter()
-        windows = self.sampler.next_batch(train.global_batch, self.info.rank, self.info.world_size)
-        diagnostics = {} if (self.step + 1) % train.diag_every == 0 else None
-        data_time = 0.0
-        total_loss = torch.zeros((), device=self.info.device)
-        self.model.train()
+        windows = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
+        diagnostics = {} if (self.step + 1) % train.diag_every == 0 and self.layout.pp == 1 else None
+        micro_batches = []
         for micro in range(self.accumulation):
-            data_start = time.perf_counter()
             chunk = windows[micro * train.micro_batch:(micro + 1) * train.micro_batch]
-            inputs, targets = (t.to(self.info.device) for t in get_batch(self.train_data, chunk, train.seq_len))
-            data_time += time.perf_counter() - data_start
-            last = micro == self.accumulation - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with self._autocast():
-                    logits = self.model(inputs, diagnostics=diagnostics if micro == 0 else None)
-                loss = cross_entropy(logits, targets)
-                if self.step + 1 in cfg.debug.nan_loss_steps:
-                    loss = loss * float("nan")
-                aux = unwrap(self.model).aux_loss()
-                ((loss + aux.to(loss.device)) / self.accumulation).backward()
-            total_loss += loss.detach()
-        loss = all_reduce_mean(total_loss / self.accumulation).item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip).item()
-        model = unwrap(self.model)
-        sync_moe_load(model)
-        imbalance = self._moe_imbalance(model)
+            micro_batches.append(tuple(t.to(self.info.device) for t in get_batch(self.train_data, chunk, train.seq_len)))
+        data_time = time.perf_counter() - start
+        self.model.train()
+        loss = self.engine.forward_backward(micro_batches, self._autocast, diagnostics).item()
+        if self.step + 1 in cfg.debug.nan_loss_steps:
+            loss = float("nan")
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        grad_norm = clip_grad_norm(self.model, train.grad_clip, self.engine.grad_norm_group())
+        sync_moe_load(self.model, self.layout.dp_group)
+        imbalance = self._moe_imbalance(self.model)
         if diagnostics is not None:
-            diagnostics = self._diagnostics(model, diagnostics)
+            diagnostics = self._diagnostics(self.model, diagnostics)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.bad_steps_in_row = 0
@@ -215,7 +225,7 @@ class Trainer:
                                      "from an earlier checkpoint")
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        model.update_moe_bias()
+        self.model.update_moe_bias()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         step_time = time.perf_counter() - start
@@ -247,30 +257,22 @@ class Trainer:
             out["depth_entropy"] = {str(l): entropy(list(row.values())) for l, row in weights.items()}
         return out
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation windows; ranks split the batches and sum."""
+        """Mean loss over the fixed validation windows; data-parallel ranks split the batches."""
         train = self.cfg.train
-        model = unwrap(self.model)
-        model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.info.device)  # loss * tokens, tokens
-        batches = val_batches(self.val_data, train.seq_len, train.micro_batch, train.eval_batches)
-        for index, (inputs, targets) in enumerate(batches):
-            if index % self.info.world_size != self.info.rank:
-                continue
-            with self._autocast():
-                logits = model(inputs.to(self.info.device))
-            totals[0] += cross_entropy(logits, targets.to(self.info.device)).double() * targets.numel()
-            totals[1] += targets.numel()
-        all_reduce_sum_(totals)
-        model.train()
+        batches = [tuple(t.to(self.info.device) for t in batch)
+                   for batch in val_batches(self.val_data, train.seq_len, train.micro_batch, train.eval_batches)]
+        loss_sum, tokens = self.engine.evaluate(batches, self._autocast)
+        totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+        if self.layout.dp_group is not None:
+            torch.distributed.all_reduce(totals, group=self.layout.dp_group)
         return (totals[0] / totals[1]).item()
 
     def save(self) -> Path:
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state(),
                  "skipped_steps": self.skipped_steps}
         meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg)}
-        return save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer.optimizers,
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer.optimizers,
                                self.scheduler, extra, meta, self.cfg.train.keep_last)
 
 

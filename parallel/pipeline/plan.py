@@ -1,0 +1,88 @@
+"""The static pipeline plan: which blocks each chunk runs, and what crosses each transition.
+
+Everything here is a function of the model config and the layout (P ranks, V virtual stages per
+rank), so receive buffers can be allocated once and the communication volume can be computed without
+running anything. Notation: chunk c (0..C-1, C = P*V) runs on rank c mod P; "blocks" are AttnRes
+block representations b_0 (the embedding), b_1, ...; for Full every sublayer output is a block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What chunk `sender` sends to chunk sender+1 for one microbatch."""
+    sender: int
+    first_block: int          # blocks [first_block, last_block) are sent
+    last_block: int
+    sends_partial: bool       # the current block straddles the cut: its partial sum goes along
+    held_by_receiver: int     # blocks [0, held) come from the receiver's own cache
+
+    @property
+    def n_blocks(self) -> int:
+        return self.last_block - self.first_block
+
+    @property
+    def n_tensors(self) -> int:
+        return self.n_blocks + int(self.sends_partial)
+
+
+class PipelinePlan:
+    def __init__(self, cfg: ModelConfig, pp: int, vp: int, cache: bool):
+        self.cfg, self.pp, self.vp, self.cache = cfg, pp, vp, cache
+        self.n_chunks = pp * vp
+        if self.n_chunks > cfg.n_blocks:
+            raise ValueError(f"pp * vp = {pp} * {vp} = {self.n_chunks} chunks is more than model.n_blocks="
+                             f"{cfg.n_blocks} transformer blocks; lower parallel.pp or parallel.vp")
+        self.attnres = cfg.residual.variant != "baseline"
+        base, extra = divmod(cfg.n_blocks, self.n_chunks)
+        sizes = [base + int(c < extra) for c in range(self.n_chunks)]  # earlier chunks take the remainder
+        starts = [sum(sizes[:c]) for c in range(self.n_chunks)]
+        self.chunk_blocks = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.pp
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [rank + v * self.pp for v in range(self.vp)]
+
+    def first_sublayer(self, chunk: int) -> int:
+        return 2 * self.chunk_blocks[chunk][0] + 1
+
+    def blocks_done(self, chunk: int) -> int:
+        """Completed blocks (b_0 included) at the end of `chunk`."""
+        sublayers_done = 2 * (self.chunk_blocks[chunk][-1] + 1)
+        return 1 + sublayers_done // self.cfg.block_size
+
+    def partial_open(self, chunk: int) -> bool:
+        """Whether a block is still accumulating at the end of `chunk`."""
+        return (2 * (self.chunk_blocks[chunk][-1] + 1)) % self.cfg.block_size != 0
+
+    def held_at_start(self, chunk: int) -> int:
+        """Blocks the rank running `chunk` already holds for this microbatch (from chunk - P)."""
+        earlier = chunk - self.pp
+        return self.blocks_done(earlier) if self.cache and earlier >= 0 else 0
+
+    def transition(self, sender: int) -> Transition:
+        receiver = sender + 1
+        held = self.held_at_start(receiver)
+        return Transition(sender, held, self.blocks_done(sender), self.partial_open(sender), held)
+
+    def caches_after(self, chunk: int) -> bool:
+        """Whether the rank keeps this chunk's blocks for its next virtual stage."""
+        return self.cache and chunk + self.pp < self.n_chunks
+
+    # -- communication volume, in d-sized vectors per token ----------------------------------------
+
+    def sent_vectors(self) -> list[int]:
+        """Per transition: vectors per token that cross it (baseline: the hidden state)."""
+        if not self.attnres:
+            return [1] * (self.n_chunks - 1)
+        return [self.transition(c).n_tensors for c in range(self.n_chunks - 1)]
+
+    def blocks_per_chunk(self) -> float:
+        """N_p of the paper: blocks produced per chunk on average (b_0 not counted)."""
+        return (self.blocks_done(self.n_chunks - 1) - 1 + int(self.partial_open(self.n_chunks - 1))) / self.n_chunks

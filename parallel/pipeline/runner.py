@@ -1,0 +1,94 @@
+"""Build this rank's pipeline stages and schedule, and run one step or one evaluation through them."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
+
+from model.decoder import Decoder
+from parallel.pipeline.plan import PipelinePlan
+from parallel.pipeline.stage import CachingPipelineStage, DepthCache, PipelineChunk
+
+SCHEDULES = {
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder:
+    """Delete, in place, every part of the decoder that no chunk of this rank runs."""
+    chunks = plan.chunks_of(pp_rank)
+    owned = {str(b) for c in chunks for b in plan.chunk_blocks[c]}
+    for key in [k for k in model.layers.keys() if k not in owned]:
+        del model.layers[key]
+    if 0 not in chunks:
+        model.embed = None
+    if plan.n_chunks - 1 not in chunks:
+        model.final_res = model.norm = model.lm_head = None
+    return model
+
+
+class PipelineRunner:
+    def __init__(self, model: Decoder, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
+                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn):
+        self.plan, self.pp_rank, self.pp_group = plan, pp_rank, pp_group
+        self.rank_model = keep_rank_parts(model, plan, pp_rank)
+        self.cache = DepthCache()
+        self.chunks = [PipelineChunk(self.rank_model, plan, c, self.cache) for c in plan.chunks_of(pp_rank)]
+        dtype = next(self.rank_model.parameters()).dtype
+        stages = [CachingPipelineStage(chunk, chunk.chunk, plan.n_chunks, device,
+                                       input_args=self._example_inputs(chunk.chunk, micro_batch, seq_len, device, dtype),
+                                       output_args=self._example_outputs(chunk.chunk, micro_batch, seq_len, device, dtype),
+                                       group=pp_group)
+                  for chunk in self.chunks]
+        self.stages = stages
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches,
+                            loss_fn=loss_fn)
+        self.has_first = 0 in plan.chunks_of(pp_rank)
+        self.has_last = plan.n_chunks - 1 in plan.chunks_of(pp_rank)
+
+    def _message_count(self, chunk: int, incoming: bool) -> int:
+        sender = chunk - 1 if incoming else chunk
+        return self.plan.sent_vectors()[sender]
+
+    def _example_inputs(self, chunk, micro_batch, seq_len, device, dtype):
+        if chunk == 0:
+            return (torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device),)
+        shape = (micro_batch, seq_len, self.plan.cfg.d_model)
+        return tuple(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
+                     for _ in range(self._message_count(chunk, incoming=True)))
+
+    def _example_outputs(self, chunk, micro_batch, seq_len, device, dtype):
+        if chunk == self.plan.n_chunks - 1:
+            return (torch.zeros(micro_batch, seq_len, self.plan.cfg.vocab_size, device=device, dtype=dtype),)
+        shape = (micro_batch, seq_len, self.plan.cfg.d_model)
+        return tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(self._message_count(chunk, False)))
+
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the microbatches, known on every rank of the pipeline group."""
+        losses: list[torch.Tensor] = []
+        self.cache.clear()
+        try:
+            run(inputs if self.has_first else None, target=targets if self.has_last else None, losses=losses)
+        finally:
+            self.cache.clear()  # memory must not grow across steps
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=inputs.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds the losses
+        return loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.step, inputs, targets)
+
+    @torch.no_grad()
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def measured_bytes_per_token(self) -> dict[int, float]:
+        """Bytes per token this rank's chunks actually sent in the last step, by sender chunk."""
+        return {stage.stage_index: stage.sent_bytes_per_token for stage in self.stages
+                if stage.sent_bytes_per_token is not None}

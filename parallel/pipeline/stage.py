@@ -1,0 +1,126 @@
+"""Pipeline chunks of the decoder, the stage message, and the cross-stage block cache.
+
+A chunk is the rank's copy of the decoder restricted to a range of transformer blocks (plus the
+embedding on chunk 0 and the final read, norm and head on the last chunk). Parameter names are the
+single-process names, so checkpoints move between layouts.
+
+Stage message (static per transition, see plan.Transition): (partial sum if a block straddles the
+cut, then blocks [first_block, last_block)); the baseline sends its running sum. With the cache, the
+rank running chunk k already holds blocks [0, held) from its chunk k-P for the same microbatch:
+- blocks chunk k-P received are the engine's receive buffers (leaves): chunk k reuses the same
+  tensors, so chunk k's backward accumulates into their .grad, which the engine reads after chunk
+  k-P's backward and sends upstream;
+- blocks chunk k-P produced are cached as detached leaves; the copy sent onward passes through
+  AddCachedGrad, whose backward adds the leaf's .grad (filled by chunk k's backward, which always runs
+  earlier) to the gradient from downstream.
+"""
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from model.decoder import Decoder
+from model.residual import DepthState
+from parallel.pipeline.plan import PipelinePlan
+
+current_microbatch: contextvars.ContextVar[int] = contextvars.ContextVar("current_microbatch", default=0)
+
+
+class AddCachedGrad(torch.autograd.Function):
+    """Identity forward; backward adds the gradient a later chunk left on the cached leaf."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        ctx.leaf = leaf
+        return block.view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cached = ctx.leaf.grad
+        return (grad if cached is None else grad + cached), None
+
+
+class DepthCache:
+    """Blocks a rank keeps between its virtual stages, keyed by (microbatch, chunk); cleared every step."""
+
+    def __init__(self):
+        self.blocks: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+class PipelineChunk(nn.Module):
+    def __init__(self, rank_model: Decoder, plan: PipelinePlan, chunk: int, cache: DepthCache):
+        super().__init__()
+        self.plan, self.chunk, self.cache = plan, chunk, cache
+        self.is_first, self.is_last = chunk == 0, chunk == plan.n_chunks - 1
+        self.mixer = rank_model.mixer
+        self.embed = rank_model.embed if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): rank_model.layers[str(i)] for i in plan.chunk_blocks[chunk]})
+        if self.is_last:
+            self.final_res, self.norm, self.lm_head = rank_model.final_res, rank_model.norm, rank_model.lm_head
+
+    def forward(self, *message: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        state = self._unpack(message)
+        state.reads = {}
+        for block in self.layers.values():
+            state.reads[block.attn_sublayer] = block.attn_res
+            state.reads[block.attn_sublayer + 1] = block.mlp_res
+        for block in self.layers.values():
+            state = block(state, self.mixer)
+        if self.is_last:
+            return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
+        return self._pack(state)
+
+    def _unpack(self, message: tuple[torch.Tensor, ...]) -> DepthState:
+        if self.is_first:
+            return self.mixer.start(self.embed(message[0]))
+        sublayer = self.plan.first_sublayer(self.chunk)
+        if not self.plan.attnres:
+            return DepthState(blocks=[], partial=message[0], next_sublayer=sublayer)
+        incoming = self.plan.transition(self.chunk - 1)
+        partial = message[0] if incoming.sends_partial else None
+        received = list(message[int(incoming.sends_partial):])
+        held = []
+        if incoming.held_by_receiver:
+            held = self.cache.blocks[(current_microbatch.get(), self.chunk - self.plan.pp)]
+        return DepthState(blocks=held + received, partial=partial, next_sublayer=sublayer)
+
+    def _pack(self, state: DepthState) -> tuple[torch.Tensor, ...]:
+        if not self.plan.attnres:
+            return (state.partial,)
+        outgoing = self.plan.transition(self.chunk)
+        blocks = list(state.blocks)
+        if self.plan.caches_after(self.chunk):
+            produced_from = 0 if self.is_first else self.plan.blocks_done(self.chunk - 1)
+            kept = list(blocks)
+            for i in range(produced_from, len(blocks)):
+                # A block made here: the cache gets a leaf, the message a copy that returns its gradient.
+                kept[i] = blocks[i].detach().requires_grad_(blocks[i].requires_grad)
+                blocks[i] = AddCachedGrad.apply(blocks[i], kept[i]) if blocks[i].requires_grad else blocks[i]
+            self.cache.blocks[(current_microbatch.get(), self.chunk)] = kept
+        sent = blocks[outgoing.first_block:outgoing.last_block]
+        return tuple(([state.partial] if outgoing.sends_partial else []) + sent)
+
+
+class CachingPipelineStage(PipelineStage):
+    """A PipelineStage that tells its chunk which microbatch it is running (the cache key) and
+    measures the bytes per token of the message it sends."""
+
+    sent_bytes_per_token: float | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        token = current_microbatch.set(fwd_chunk_id)
+        try:
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            current_microbatch.reset(token)
+        if not self.is_last:
+            tensors = output if isinstance(output, tuple) else (output,)
+            tokens = tensors[0].shape[0] * tensors[0].shape[1]
+            self.sent_bytes_per_token = sum(t.numel() * t.element_size() for t in tensors) / tokens
+        return output
