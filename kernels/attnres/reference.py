@@ -101,6 +101,23 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, inv_rms: list[torc
     return o, m, l, scores
 
 
+def phase2(o1, m1, l1, partial: torch.Tensor, query: torch.Tensor, inv_rms: torch.Tensor | None,
+           kernel: str = "softmax"):
+    """Intra-block read of one sublayer: attend over the partial sum and merge with its phase-1 read.
+
+    o1 (B, T, d), m1, l1 (B, T, H) from `phase1`; partial (B, T, d); query (H, d/H) with the key-norm
+    gain folded in; inv_rms (B, T, H) of the partial sum, or None without key norm.
+    Returns h (B, T, d) in the partial sum's dtype and the partial sum's score (1, B, T, H).
+    """
+    scores = depth_scores([partial], query, None if inv_rms is None else [inv_rms])  # (1, B, T, H)
+    if kernel == "softmax":
+        # One source: its own max is its score and its sum is 1.
+        h = merge(o1, m1, l1, _stats(partial), scores[0], torch.ones_like(scores[0]), kernel)
+    else:
+        h = o1 + weighted_sum(torch.sigmoid(scores), [partial]).to(o1.dtype)
+    return h.to(partial.dtype), scores
+
+
 def merge(o1, m1, l1, o2, m2, l2, kernel: str = "softmax"):
     """Online-softmax merge of two partial reads over disjoint source sets.
 

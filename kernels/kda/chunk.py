@@ -17,35 +17,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 # Pairs inside one sub-chunk get their decay exp(G_t - G_j) computed pair by pair; pairs across
-# sub-chunks factor through sub-chunk boundaries, which keeps every exponent <= 0 (no overflow)
+# sub-chunks factor through the start of the later one, which keeps every exponent <= 0 (no overflow)
 # and avoids a (C, C, K) tensor.
 SUB_CHUNK = 16
-
-
-def _gram_decays(g_cum: torch.Tensor, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decay factors of _DecayedGram, every exponent <= 0 since g_cum is non-increasing along C.
-    g_cum: (..., C, K). With r_a the first and e_a the last position of sub-chunk a, returns
-        to_ref (..., C, K):            exp(G_t - G_{r_a}) for t in sub-chunk a,
-        from_ref (..., n, C, K):       exp(G_{r_a} - G_j) for j before sub-chunk a, else 0,
-                                       as exp(G_{r_a} - G_{e_b}) exp(G_{e_b} - G_j) for j in sub-chunk b < a,
-        pair (..., n, sub, sub, K):    exp(G_t - G_j) for j <= t in the same sub-chunk, else 0."""
-    *batch, C, K = g_cum.shape
-    n = C // sub
-    g_sub = g_cum.reshape(*batch, n, sub, K)  # (..., n, sub, K)
-    g_first, g_last = g_sub[..., :1, :], g_sub[..., -1:, :]  # (..., n, 1, K) each
-    to_ref = (g_sub - g_first).exp().reshape(*batch, C, K)  # (..., C, K)
-
-    earlier = torch.ones(n, n, dtype=torch.bool, device=g_cum.device).tril(-1)  # (n_a, n_b): b < a
-    between = g_first.unsqueeze(-3) - g_last.unsqueeze(-4)  # (..., n_a, n_b, 1, K)
-    between = between.masked_fill_(~earlier.view(n, n, 1, 1), float("-inf")).exp_()
-    to_last = (g_last - g_sub).exp()  # (..., n_b, sub, K)
-    from_ref = (between * to_last.unsqueeze(-4)).reshape(*batch, n, C, K)  # (..., n_a, C, K)
-
-    # Masked before exp, in place: the upper triangle's exponents are >= 0 and could overflow.
-    in_sub = torch.ones(sub, sub, dtype=torch.bool, device=g_cum.device).tril()  # (sub_t, sub_j): j <= t
-    pair = g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)  # (..., n, sub_t, sub_j, K)
-    pair = pair.masked_fill_(~in_sub.unsqueeze(-1), float("-inf")).exp_()
-    return to_ref, from_ref, pair
 
 
 class _DecayedGram(torch.autograd.Function):
@@ -53,54 +27,92 @@ class _DecayedGram(torch.autograd.Function):
     sets sharing cols and G. rows: (..., C, M, K); cols, g_cum: (..., C, K) with g_cum non-increasing
     along C. Returns A as (..., C, M, C): A[..., t, m, j] = A_m[t, j].
 
-    Across sub-chunks (j in b < a, t in a) the decay factors through r_a: A = (rows * to_ref) @
-    (cols * from_ref)^T, one matmul per row sub-chunk. Within a sub-chunk it is taken pair by pair:
-    P[t, j] = cols_j * pair_tj, A[t, :, j] = rows_t @ P[t, j], a matmul per row t.
+    For the rows of sub-chunk a, starting at r, columns j < r factor through r:
+        A[t, j] = (rows_t * exp(G_t - G_r)) . (cols_j * exp(G_r - G_j)),
+    one matmul per sub-chunk. Columns r <= j <= t take exp(G_t - G_j) pair by pair, one row position t
+    at a time for all sub-chunks at once. Every exponent is <= 0, and no (C, C, K) or (C, sub, K)
+    tensor is materialised: the loops keep the temporaries at (..., C, K) size.
 
-    Backward: with dR, dC the gradients of rows and cols, those of G follow without differentiating
-    the decays: d A_tj / d G_t[c] = rows_t[c] d A_tj / d rows_t[c] and d A_tj / d G_j[c] =
-    -cols_j[c] d A_tj / d cols_j[c], so dG = sum_m rows_m * dR_m - cols * dC."""
+    Backward: with dR, dC the gradients of rows and cols, that of G follows without differentiating the
+    decays: dA_tj/dG_t[c] = rows_t[c] dA_tj/drows_t[c] and dA_tj/dG_j[c] = -cols_j[c] dA_tj/dcols_j[c],
+    so dG = sum_m rows_m * dR_m - cols * dC. The decays are recomputed rather than saved."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, cols: torch.Tensor, g_cum: torch.Tensor, sub: int) -> torch.Tensor:
         *batch, C, M, K = rows.shape
         n = C // sub
-        to_ref, from_ref, pair = _gram_decays(g_cum, sub)
-        rows_to_ref = rows * to_ref.unsqueeze(-2)  # (..., C, M, K)
-        cols_from_ref = cols.unsqueeze(-3) * from_ref  # (..., n, C, K)
-        grams = rows_to_ref.reshape(*batch, n, sub * M, K) @ cols_from_ref.transpose(-1, -2)  # (..., n, sub*M, C)
+        grams = rows.new_zeros(*batch, C, M, C)
+        for r in range(sub, C, sub):  # across: rows [r, r + sub), columns [0, r)
+            to_ref, from_ref = _across_decays(g_cum, r, sub)  # (..., sub, K), (..., r, K)
+            rows_to_ref = (rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)).view(*batch, sub * M, K)
+            cols_from_ref = cols[..., :r, :] * from_ref  # (..., r, K)
+            grams[..., r:r + sub, :, :r] = (rows_to_ref @ cols_from_ref.transpose(-1, -2)).view(*batch, sub, M, r)
 
-        cols_pair = cols.reshape(*batch, n, 1, sub, K) * pair  # (..., n, sub_t, sub_j, K)
-        within = rows.reshape(*batch, n, sub, M, K) @ cols_pair.transpose(-1, -2)  # (..., n, sub_t, M, sub_j)
-        # The diagonal blocks of grams: (..., sub_t, M, sub_j, n) views of block (a, a); zero so far.
-        grams.view(*batch, n, sub, M, n, sub).diagonal(dim1=-5, dim2=-2).add_(within.movedim(-4, -1))
+        rows_sub = rows.view(*batch, n, sub, M, K)  # (..., n, sub, M, K)
+        cols_sub = cols.view(*batch, n, sub, K)  # (..., n, sub, K)
+        g_sub = g_cum.view(*batch, n, sub, K)  # (..., n, sub, K)
+        within = rows.new_zeros(*batch, n, sub, M, sub)  # (..., n, sub_t, M, sub_j)
+        for t in range(sub):  # within: row t of every sub-chunk, columns j <= t
+            cols_pair = cols_sub[..., :t + 1, :] * _pair_decay(g_sub, t)  # (..., n, t+1, K)
+            within[..., t, :, :t + 1] = rows_sub[..., t, :, :] @ cols_pair.transpose(-1, -2)  # (..., n, M, t+1)
+        _diagonal_blocks(grams, n).add_(within)
 
         ctx.sub = sub
-        ctx.save_for_backward(rows, cols, to_ref, from_ref, pair, rows_to_ref, cols_from_ref, cols_pair)
-        return grams.view(*batch, C, M, C)
+        ctx.save_for_backward(rows, cols, g_cum)
+        return grams
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        rows, cols, to_ref, from_ref, pair, rows_to_ref, cols_from_ref, cols_pair = ctx.saved_tensors
+        rows, cols, g_cum = ctx.saved_tensors
         sub = ctx.sub
         *batch, C, M, K = rows.shape
         n = C // sub
         d_grams = d_grams.contiguous()  # (..., C, M, C)
+        d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)  # (..., C, M, K), (..., C, K)
+        for r in range(sub, C, sub):
+            to_ref, from_ref = _across_decays(g_cum, r, sub)  # (..., sub, K), (..., r, K)
+            rows_to_ref = (rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)).view(*batch, sub * M, K)
+            cols_from_ref = cols[..., :r, :] * from_ref  # (..., r, K)
+            d_block = d_grams[..., r:r + sub, :, :r].reshape(*batch, sub * M, r)  # (..., sub*M, r)
+            d_rows_to_ref = (d_block @ cols_from_ref).view(*batch, sub, M, K)  # (..., sub, M, K)
+            d_rows[..., r:r + sub, :, :] += d_rows_to_ref * to_ref.unsqueeze(-2)
+            d_cols[..., :r, :] += (d_block.transpose(-1, -2) @ rows_to_ref) * from_ref  # (..., r, K)
 
-        d_blocks = d_grams.view(*batch, n, sub * M, C)  # (..., n, sub*M, C)
-        d_rows = (d_blocks @ cols_from_ref).view(*batch, C, M, K) * to_ref.unsqueeze(-2)  # (..., C, M, K)
-        d_cols_from_ref = d_blocks.transpose(-1, -2) @ rows_to_ref.view(*batch, n, sub * M, K)  # (..., n, C, K)
-        d_cols = (d_cols_from_ref * from_ref).sum(-3)  # (..., C, K)
-
-        # The diagonal blocks of d_grams, (..., n, sub_t, M, sub_j).
-        d_within = d_grams.view(*batch, n, sub, M, n, sub).diagonal(dim1=-5, dim2=-2).movedim(-1, -4)
-        d_rows += (d_within @ cols_pair).view(*batch, C, M, K)  # (..., n, sub_t, M, K) -> (..., C, M, K)
-        d_cols_pair = d_within.transpose(-1, -2) @ rows.view(*batch, n, sub, M, K)  # (..., n, sub_t, sub_j, K)
-        d_cols += (d_cols_pair.mul_(pair).sum(-3)).view(*batch, C, K)  # (..., n, sub_j, K) -> (..., C, K)
+        rows_sub = rows.view(*batch, n, sub, M, K)  # (..., n, sub, M, K)
+        cols_sub = cols.view(*batch, n, sub, K)  # (..., n, sub, K)
+        g_sub = g_cum.view(*batch, n, sub, K)  # (..., n, sub, K)
+        d_rows_sub = d_rows.view(*batch, n, sub, M, K)  # (..., n, sub, M, K)
+        d_cols_sub = d_cols.view(*batch, n, sub, K)  # (..., n, sub, K)
+        d_within = _diagonal_blocks(d_grams, n)  # (..., n, sub_t, M, sub_j)
+        for t in range(sub):
+            pair = _pair_decay(g_sub, t)  # (..., n, t+1, K)
+            d_t = d_within[..., t, :, :t + 1]  # (..., n, M, t+1)
+            d_rows_sub[..., t, :, :] += d_t @ (cols_sub[..., :t + 1, :] * pair)  # (..., n, M, K)
+            d_cols_sub[..., :t + 1, :] += (d_t.transpose(-1, -2) @ rows_sub[..., t, :, :]) * pair  # (..., n, t+1, K)
 
         d_g_cum = (rows * d_rows).sum(-2) - cols * d_cols  # (..., C, K)
         return d_rows, d_cols, d_g_cum, None
+
+
+def _across_decays(g_cum: torch.Tensor, r: int, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the sub-chunk starting at r: exp(G_t - G_r) for r <= t < r + sub, (..., sub, K), and
+    exp(G_r - G_j) for j < r, (..., r, K). g_cum: (..., C, K)."""
+    g_ref = g_cum[..., r:r + 1, :]  # (..., 1, K)
+    return (g_cum[..., r:r + sub, :] - g_ref).exp_(), (g_ref - g_cum[..., :r, :]).exp_()
+
+
+def _pair_decay(g_sub: torch.Tensor, t: int) -> torch.Tensor:
+    """exp(G_t - G_j) for row t and columns j <= t of every sub-chunk. g_sub: (..., n, sub, K) ->
+    (..., n, t+1, K)."""
+    return (g_sub[..., t:t + 1, :] - g_sub[..., :t + 1, :]).exp_()
+
+
+def _diagonal_blocks(grams: torch.Tensor, n: int) -> torch.Tensor:
+    """The n diagonal (sub, sub) blocks of grams (..., C, M, C) as a view (..., n, sub_t, M, sub_j)."""
+    *batch, C, M, _ = grams.shape
+    blocks = grams.view(*batch, n, C // n, M, n, C // n)  # (..., n_t, sub_t, M, n_j, sub_j)
+    return blocks.diagonal(dim1=-5, dim2=-2).movedim(-1, -4)  # (..., n, sub_t, M, sub_j)
 
 
 def kda_chunk(

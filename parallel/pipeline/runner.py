@@ -64,10 +64,14 @@ class PipelineRunner:
                      for _ in range(self._message_count(chunk, incoming=True)))
 
     def _example_outputs(self, chunk, micro_batch, seq_len, device, dtype):
+        # requires_grad on the examples: the engine's receive buffers copy it, and without it the
+        # backward of the sending stage gets no output gradient.
         if chunk == self.plan.n_chunks - 1:
-            return (torch.zeros(micro_batch, seq_len, self.plan.cfg.vocab_size, device=device, dtype=dtype),)
+            return (torch.zeros(micro_batch, seq_len, self.plan.cfg.vocab_size, device=device, dtype=dtype,
+                                requires_grad=True),)
         shape = (micro_batch, seq_len, self.plan.cfg.d_model)
-        return tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(self._message_count(chunk, False)))
+        return tuple(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
+                     for _ in range(self._message_count(chunk, False)))
 
     def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over the microbatches, known on every rank of the pipeline group."""

@@ -1,0 +1,31 @@
+"""Which implementation of an op runs: `impl = auto | reference | triton`.
+
+`auto` takes Triton for CUDA tensors when triton imports, and the plain-torch reference elsewhere.
+`triton` insists (on CPU it needs TRITON_INTERPRET=1, which is how the tests run the kernels).
+Triton is imported only on the Triton path: the project never needs it installed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+IMPLS = ("auto", "reference", "triton")
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(impl: str, tensor: torch.Tensor) -> bool:
+    if impl == "reference":
+        return False
+    if impl == "triton":
+        if not triton_available():
+            raise ImportError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+        return True
+    if impl == "auto":
+        return tensor.is_cuda and triton_available()
+    raise ValueError(f"impl={impl!r} is not one of {' | '.join(IMPLS)}")

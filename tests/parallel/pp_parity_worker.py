@@ -1,0 +1,84 @@
+"""Run under torchrun (gloo, P processes): one training step under pipeline parallelism vs the same
+step in one process, for many layouts in one launch. Every rank checks the gradients of the
+parameters it holds against its own single-process copy; rank 0 prints one JSON line per case."""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from model import build_model
+from parallel.parallelize import cross_entropy
+from parallel.pipeline.plan import PipelinePlan
+from parallel.pipeline.runner import PipelineRunner
+from parallel.pipeline.stage import AddCachedGrad
+from trainer.config import load_config
+
+MICRO_BATCH, SEQ = 2, 12
+
+
+def cases(pp: int):
+    variants = [("baseline", []), ("full", []), ("block", ["variant.block_size=3"])]
+    for vp in (1, 2, 3):
+        if pp * vp > 6:
+            continue
+        schedules = ["1f1b", "gpipe"] if vp == 1 else ["interleaved_1f1b"]
+        for schedule in schedules:
+            for variant, extra in variants:
+                for cache in ([True, False] if variant != "baseline" else [True]):
+                    yield {"pp": pp, "vp": vp, "schedule": schedule, "variant": variant, "extra": extra,
+                           "cache": cache}
+
+
+def run_case(case: dict, rank: int) -> dict:
+    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={case['variant']}", *case["extra"]])
+    microbatches = 2 * case["pp"]
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.model.vocab_size, (microbatches * MICRO_BATCH, SEQ + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    losses = []
+    for x, y in zip(inputs.split(MICRO_BATCH), targets.split(MICRO_BATCH)):
+        loss = cross_entropy(reference(x), y)
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    reference_loss = torch.stack(losses).mean()
+
+    torch.manual_seed(0)
+    plan = PipelinePlan(cfg.model, case["pp"], case["vp"], case["cache"])
+    runner = PipelineRunner(build_model(cfg), plan, rank, None, torch.device("cpu"), case["schedule"],
+                            microbatches, MICRO_BATCH, SEQ, cross_entropy)
+    loss = runner.step(inputs, targets)
+    expected = dict(reference.named_parameters())
+    worst = max((p.grad - expected[name].grad).abs().max().item() for name, p in runner.rank_model.named_parameters())
+    result = torch.tensor([abs(loss.item() - reference_loss.item()), worst])
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return {**case, "loss_error": result[0].item(), "grad_error": result[1].item(),
+            "vectors_per_token": plan.sent_vectors()}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    results = [run_case(case, rank) for case in cases(pp)]
+    # Negative control: without the cached-gradient path the parity must break.
+    original = AddCachedGrad.backward
+    AddCachedGrad.backward = staticmethod(lambda ctx, grad: (grad, None))
+    try:
+        control = run_case({"pp": pp, "vp": 2, "schedule": "interleaved_1f1b", "variant": "block",
+                            "extra": ["variant.block_size=3"], "cache": True}, rank)
+    finally:
+        AddCachedGrad.backward = original
+    if rank == 0:
+        for result in results:
+            print("CASE " + json.dumps(result))
+        print("CONTROL " + json.dumps(control))
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
