@@ -77,9 +77,6 @@ class Layout:
 def build_layout(info: DistInfo, dp: int | None, pp: int) -> Layout:
     """A 2-D (dp, pp) device mesh over all ranks; dp=None takes what pp leaves."""
     dp = dp if dp is not None else info.world_size // pp
-    if dp * pp != info.world_size:
-        raise ValueError(f"parallel.dp * parallel.pp = {dp} * {pp} = {dp * pp} does not match the "
-                         f"{info.world_size} processes torchrun started")
     if info.world_size == 1:
         return Layout(1, 1, 0, 0, None, None)
     from torch.distributed.device_mesh import init_device_mesh

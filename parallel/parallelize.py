@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from model.config import ModelConfig
 from model.decoder import Decoder
 from parallel.dims import DistInfo, Layout
 
@@ -121,10 +120,14 @@ class PipelineEngine:
         return self.layout.pp_group  # stages hold disjoint parameters
 
     def comm_report(self) -> dict:
-        """The message layout (vectors per token per transition) and the bytes this rank measured."""
+        """The planned message layout (vectors per token per transition) and the bytes per token the
+        stages of every pipeline rank measured on the tensors they sent, by sender chunk."""
+        measured = [None] * self.layout.pp
+        dist.all_gather_object(measured, self.runner.measured_bytes_per_token(), group=self.layout.pp_group)
+        by_sender = {sender: value for rank_values in measured for sender, value in rank_values.items()}
         return {"pp": self.plan.pp, "vp": self.plan.vp, "cache": self.plan.cache,
                 "vectors_per_token": self.plan.sent_vectors(),
-                "measured_bytes_per_token": {str(k): v for k, v in self.runner.measured_bytes_per_token().items()}}
+                "measured_bytes_per_token": [by_sender[c] for c in range(self.plan.n_chunks - 1)]}
 
 
 def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int, seq_len: int,
@@ -151,8 +154,3 @@ def sync_moe_load(model: Decoder, group) -> None:
     for moe in model.moe_layers():
         _all_reduce(moe.load_counts, group)
 
-
-def validate_layout(cfg: ModelConfig, pp: int, vp: int, cache: bool) -> None:
-    from parallel.pipeline.plan import PipelinePlan
-
-    PipelinePlan(cfg, pp, vp, cache)

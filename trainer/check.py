@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, validate_layout
 from trainer.data import num_windows, open_dataset, resolve_dataset
 
 
@@ -19,9 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.overrides)
         train = cfg.train
-        if train.global_batch % (train.micro_batch * args.nproc):
-            raise ConfigError(f"train.global_batch={train.global_batch} must be a multiple of "
-                              f"train.micro_batch * nproc = {train.micro_batch} * {args.nproc}")
+        validate_layout(cfg, args.nproc)
         resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
         data = open_dataset(resolved, "train", cfg.model.vocab_size)
         if num_windows(len(data), train.seq_len) < train.global_batch:

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kernels.select import IMPLS
 from model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -111,6 +112,7 @@ CHOICES = {
     "variant.query": ("learned", "input_dependent"),
     "variant.kernel": ("softmax", "sigmoid"),
     "variant.mixing": ("attention", "static"),
+    "model.kernel_impl": IMPLS,
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -189,6 +191,23 @@ def validate(cfg: Config) -> Config:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
     return cfg
+
+
+def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
+    """Check the parallel layout against the processes started; returns (dp, microbatches per step)."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp if p.dp is not None else max(1, world_size // p.pp)
+    if dp * p.pp != world_size:
+        raise ConfigError(f"parallel.dp * parallel.pp = {dp} * {p.pp} = {dp * p.pp} does not match the "
+                          f"{world_size} processes started (torchrun --nproc-per-node x --nnodes)")
+    if t.global_batch % (t.micro_batch * dp):
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of "
+                          f"train.micro_batch * dp = {t.micro_batch} * {dp}")
+    microbatches = t.global_batch // (t.micro_batch * dp)
+    if p.pp > 1 and p.vp > 1 and microbatches % p.pp:
+        raise ConfigError(f"interleaved pipelining needs the microbatches per step (train.global_batch / "
+                          f"(train.micro_batch * dp) = {microbatches}) to be a multiple of parallel.pp={p.pp}")
+    return dp, microbatches
 
 
 def _one_line(error: OmegaConfBaseException) -> str:

@@ -18,7 +18,7 @@ from parallel.dims import DistInfo, build_layout, barrier
 from parallel.parallelize import build_engine, clip_grad_norm, sync_moe_load
 from trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint,
                                 resolve_checkpoint, save_checkpoint)
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, validate_layout
 from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
 from trainer.metrics import MetricsLogger, entropy, peak_memory_mb, summary_line
 from trainer.optim import build_optimizer, build_scheduler
@@ -48,19 +48,8 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run.dir).resolve()
         train, parallel = cfg.train, cfg.parallel
-        try:
-            self.layout = build_layout(info, parallel.dp, parallel.pp)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        dp = self.layout.dp
-        if train.global_batch % (train.micro_batch * dp):
-            raise ConfigError(f"train.global_batch={train.global_batch} must be a multiple of "
-                              f"train.micro_batch * dp = {train.micro_batch} * {dp}")
-        self.accumulation = train.global_batch // (train.micro_batch * dp)
-        if parallel.pp > 1 and parallel.vp > 1 and self.accumulation % parallel.pp:
-            raise ConfigError(f"interleaved pipelining needs the microbatches per step (train.global_batch / "
-                              f"(train.micro_batch * dp) = {self.accumulation}) to be a multiple of parallel.pp="
-                              f"{parallel.pp}")
+        _, self.accumulation = validate_layout(cfg, info.world_size)
+        self.layout = build_layout(info, parallel.dp, parallel.pp)
         self._check_resume_target()
         self._open_data()
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every layout
@@ -183,7 +172,7 @@ class Trainer:
         d = self.cfg.model.d_model
         log.print(f"pipeline pp={report['pp']} vp={report['vp']} cache={report['cache']}: vectors per token "
                   f"per transition {report['vectors_per_token']} (total {sum(report['vectors_per_token'])} x d={d}); "
-                  f"measured bytes per token on this rank {report['measured_bytes_per_token']}")
+                  f"measured bytes per token {report['measured_bytes_per_token']}")
         log.log({"step": self.step, "pp_comm": report})
 
     def _autocast(self):

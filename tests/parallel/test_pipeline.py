@@ -1,0 +1,127 @@
+"""Pipeline parallelism: parity with one process (many layouts, one launch each for P=2 and P=3),
+communication volume against the paper's formulas, training and checkpoints across layouts."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import fast_train_overrides, torchrun
+from parallel.dims import init_distributed
+from parallel.pipeline.plan import PipelinePlan
+from scripts.pp_comm_volume import volumes
+from trainer.config import ConfigError, load_config, validate_layout
+from trainer.trainer import Trainer
+
+WORKER = Path(__file__).with_name("pp_parity_worker.py")
+
+
+def launch_worker(nproc: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
+    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
+    return cases, control[0]
+
+
+@pytest.mark.parametrize("pp, expected_cases", [(2, 20), (3, 15)])
+def test_one_step_under_pp_equals_one_process(pp, expected_cases):
+    cases, control = launch_worker(pp)
+    assert len(cases) == expected_cases
+    assert {(c["vp"], c["schedule"]) for c in cases} >= {(1, "1f1b"), (1, "gpipe"), (2, "interleaved_1f1b")}
+    for case in cases:
+        assert case["loss_error"] < 1e-5, case
+        assert case["grad_error"] < 1e-5, case
+    # Negative control: without the cached-gradient path the same comparison fails.
+    assert control["grad_error"] > 1e-3
+
+
+def plan(pp, vp, cache, *overrides):
+    return PipelinePlan(load_config(["model=s", *overrides]).model, pp, vp, cache)
+
+
+def test_volume_matches_the_papers_formulas_and_the_exact_optimum():
+    # model=s with block_size=2: one AttnRes block per transformer block; P=4, V=2 -> one block per chunk.
+    cached = volumes(plan(4, 2, True, "variant.block_size=2"))
+    naive = volumes(plan(4, 2, False, "variant.block_size=2"))
+    assert cached["N_p"] == 1
+    assert (cached["naive"], cached["paper_cached"], cached["optimum"]) == (28, 22, 18)
+    assert cached["ours_blocks"] == 18 and cached["ours_embedding"] == 3 and cached["ours_partial_sums"] == 0
+    assert naive["ours_blocks"] == 28 and naive["ours_embedding"] == 7
+    # A block straddling a cut sends its partial sum with the blocks.
+    odd = volumes(plan(2, 2, True, "variant.block_size=3"))
+    assert odd["ours_partial_sums"] == 2
+    assert volumes(plan(2, 2, True, "variant=baseline"))["per_transition"] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel=pp4_vp2", "model=xs"], "8 chunks is more than model.n_blocks=4"),
+    (["parallel=pp2", "parallel.vp=2"], "parallel.schedule=1f1b runs one stage per rank"),
+    (["parallel=pp2_vp2", "parallel.schedule=zero_bubble"], "zero_bubble"),
+])
+def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(overrides)
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["parallel=pp2_vp2", "train.micro_batch=2", "train.global_batch=6"], 2, "multiple of parallel.pp=2"),
+    (["parallel=dp2_pp2_vp2"], 2, "parallel.dp * parallel.pp = 2 * 2 = 4 does not match the 2 processes"),
+    (["parallel=dp2", "train.micro_batch=8", "train.global_batch=8"], 2, "train.micro_batch * dp = 8 * 2"),
+])
+def test_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
+        validate_layout(load_config(overrides), world)
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path, tiny_dataset):
+    extra = {"train.global_batch": 8}
+    Trainer(load_config(fast_train_overrides(tmp_path / "single", tiny_dataset, steps=4, **extra)),
+            init_distributed()).fit()
+    result = torchrun(fast_train_overrides(tmp_path / "mesh", tiny_dataset, steps=4, parallel="dp2_pp2_vp2", **extra),
+                      nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, mesh = losses(tmp_path / "single"), losses(tmp_path / "mesh")
+    assert sorted(single) == sorted(mesh) == [1, 2, 3, 4]
+    for step in single:
+        assert mesh[step] == pytest.approx(single[step], rel=1e-5), step
+    records = [json.loads(line) for line in (tmp_path / "mesh" / "metrics.jsonl").read_text().splitlines()]
+    comm = next(r["pp_comm"] for r in records if "pp_comm" in r)
+    d = load_config(["model=xs"]).model.d_model
+    assert comm["measured_bytes_per_token"] == [n * d * 4 for n in comm["vectors_per_token"]]
+
+
+def test_checkpoints_move_between_pp_and_single_process(tmp_path, tiny_dataset):
+    """pp2_vp2 -> single and single -> pp2_vp2 both continue with the uninterrupted run's losses."""
+    straight = tmp_path / "straight"
+    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
+    reference = losses(straight)
+
+    pp_first = tmp_path / "pp_first"
+    result = torchrun(fast_train_overrides(pp_first, tiny_dataset, steps=4, parallel="pp2_vp2",
+                                           **{"train.stop_after": 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    Trainer(load_config(fast_train_overrides(pp_first, tiny_dataset, steps=4)), init_distributed()).fit()
+
+    single_first = tmp_path / "single_first"
+    Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 2})),
+            init_distributed()).fit()
+    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="pp2_vp2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    for run in (pp_first, single_first):
+        resumed = losses(run)
+        assert sorted(resumed) == [1, 2, 3, 4]
+        for step in (3, 4):
+            assert resumed[step] == pytest.approx(reference[step], rel=1e-5), (run.name, step)
