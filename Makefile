@@ -23,17 +23,19 @@ test: setup
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# `make train`: Block AttnRes at model=s on the Shakespeare corpus, 2 processes under torchrun.
-# Extra Hydra overrides go in ARGS, e.g. make train ARGS="variant=full train.steps=300".
+# `make train`: Block AttnRes at model=s on the Shakespeare corpus, 2 processes under torchrun running
+# interleaved 1F1B (pp=2, vp=2) with the cross-stage block cache. Extra Hydra overrides go in ARGS,
+# e.g. make train ARGS="variant=full train.steps=300"; LAYOUT="parallel=dp2" for plain data parallelism.
 NPROC ?= 2
 RUN_DIR ?= runs/train
+LAYOUT ?= parallel=pp2_vp2 train.micro_batch=4
 ARGS ?=
 THREADS := $(shell n=$$(nproc); t=$$((n / $(NPROC))); [ $$t -ge 1 ] && echo $$t || echo 1)
 
 train: setup
-	$(PY) -m trainer.check --nproc $(NPROC) run.dir=$(RUN_DIR) $(ARGS)
+	$(PY) -m trainer.check --nproc $(NPROC) run.dir=$(RUN_DIR) $(LAYOUT) $(ARGS)
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
-		-m trainer.main run.dir=$(RUN_DIR) $(ARGS)
+		-m trainer.main run.dir=$(RUN_DIR) $(LAYOUT) $(ARGS)
 
 bench: setup
 	$(PY) -m scripts.bench_step
