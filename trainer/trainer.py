@@ -5,6 +5,7 @@ import contextlib
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -81,6 +82,7 @@ class Trainer:
         barrier()
         if not self.info.is_main:
             resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
+        self.tokenizer_file = resolved / "tokenizer.json" if resolved.is_dir() else None
         self.train_data = open_dataset(resolved, "train", cfg.model.vocab_size)
         self.val_data = open_dataset(resolved, "val", cfg.model.vocab_size)
         seq_len = cfg.train.seq_len
@@ -113,6 +115,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.info.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for trainer.generate
+                shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
         log = MetricsLogger(cfg, self.run_dir, self.info.is_main, self.step)
         self._announce(log)
         comm_logged = False

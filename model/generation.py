@@ -1,0 +1,58 @@
+"""Prefill and decode with caches: greedy, temperature and top-p sampling.
+
+Depth attention mixes sources within one token, so decoding keeps no block representations of past
+tokens: the KDA recurrent state and the MLA compressed KV are the whole cache. During prefill every
+token of a chunk holds its blocks; `prefill_chunk` bounds that memory.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> next tokens (B,). temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def prefill(model, tokens: torch.Tensor, cache, chunk: int | None = None) -> torch.Tensor:
+    """Run the prompt (B, T) through the model in chunks, filling `cache`; returns the last chunk's logits."""
+    chunk = chunk or tokens.shape[1]
+    logits = None
+    for start in range(0, tokens.shape[1], chunk):
+        logits = model(tokens[:, start:start + chunk], cache=cache)
+    return logits
+
+
+@torch.no_grad()
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+             prefill_chunk: int | None = None, seed: int | None = None, stop_token: int | None = None) -> torch.Tensor:
+    """prompt (B, T0) -> (B, T0 + generated). Stops early when every row produced `stop_token`."""
+    if prompt.shape[1] == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    model.eval()
+    weight = next(model.parameters())
+    cache = model.new_inference_cache(prompt.shape[0], weight.device, weight.dtype)
+    generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
+    logits = prefill(model, prompt, cache, prefill_chunk)
+    out = prompt
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        token = sample_next(logits[:, -1], temperature, top_p, generator)
+        out = torch.cat([out, token.unsqueeze(1)], dim=1)
+        if stop_token is not None:
+            done |= token == stop_token
+            if done.all():
+                break
+        logits = model(token.unsqueeze(1), cache=cache)
+    return out
