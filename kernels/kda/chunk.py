@@ -31,7 +31,8 @@ class _DecayedGram(torch.autograd.Function):
         A[t, j] = (rows_t * exp(G_t - G_r)) . (cols_j * exp(G_r - G_j)),
     one matmul per sub-chunk. Columns r <= j <= t take exp(G_t - G_j) pair by pair, one row position t
     at a time for all sub-chunks at once. Every exponent is <= 0, and no (C, C, K) or (C, sub, K)
-    tensor is materialised: the loops keep the temporaries at (..., C, K) size.
+    tensor is materialised: the loops keep the temporaries at (..., C, K) size, which on CPU is what
+    makes this fast (full-size temporaries cost more in fresh memory than in arithmetic).
 
     Backward: with dR, dC the gradients of rows and cols, that of G follows without differentiating the
     decays: dA_tj/dG_t[c] = rows_t[c] dA_tj/drows_t[c] and dA_tj/dG_j[c] = -cols_j[c] dA_tj/dcols_j[c],
@@ -44,15 +45,17 @@ class _DecayedGram(torch.autograd.Function):
         grams = rows.new_zeros(*batch, C, M, C)
         for r in range(sub, C, sub):  # across: rows [r, r + sub), columns [0, r)
             to_ref, from_ref = _across_decays(g_cum, r, sub)  # (..., sub, K), (..., r, K)
-            rows_to_ref = (rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)).view(*batch, sub * M, K)
+            rows_to_ref = rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)  # (..., sub, M, K)
+            rows_to_ref = rows_to_ref.view(*batch, sub * M, K)  # (..., sub*M, K)
             cols_from_ref = cols[..., :r, :] * from_ref  # (..., r, K)
-            grams[..., r:r + sub, :, :r] = (rows_to_ref @ cols_from_ref.transpose(-1, -2)).view(*batch, sub, M, r)
+            block = rows_to_ref @ cols_from_ref.transpose(-1, -2)  # (..., sub*M, r)
+            grams[..., r:r + sub, :, :r] = block.view(*batch, sub, M, r)  # (..., sub, M, r)
 
         rows_sub = rows.view(*batch, n, sub, M, K)  # (..., n, sub, M, K)
         cols_sub = cols.view(*batch, n, sub, K)  # (..., n, sub, K)
         g_sub = g_cum.view(*batch, n, sub, K)  # (..., n, sub, K)
         within = rows.new_zeros(*batch, n, sub, M, sub)  # (..., n, sub_t, M, sub_j)
-        for t in range(sub):  # within: row t of every sub-chunk, columns j <= t
+        for t in range(sub):  # within: row t of every sub-chunk, its columns j <= t
             cols_pair = cols_sub[..., :t + 1, :] * _pair_decay(g_sub, t)  # (..., n, t+1, K)
             within[..., t, :, :t + 1] = rows_sub[..., t, :, :] @ cols_pair.transpose(-1, -2)  # (..., n, M, t+1)
         _diagonal_blocks(grams, n).add_(within)
@@ -72,7 +75,8 @@ class _DecayedGram(torch.autograd.Function):
         d_rows, d_cols = torch.zeros_like(rows), torch.zeros_like(cols)  # (..., C, M, K), (..., C, K)
         for r in range(sub, C, sub):
             to_ref, from_ref = _across_decays(g_cum, r, sub)  # (..., sub, K), (..., r, K)
-            rows_to_ref = (rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)).view(*batch, sub * M, K)
+            rows_to_ref = rows[..., r:r + sub, :, :] * to_ref.unsqueeze(-2)  # (..., sub, M, K)
+            rows_to_ref = rows_to_ref.view(*batch, sub * M, K)  # (..., sub*M, K)
             cols_from_ref = cols[..., :r, :] * from_ref  # (..., r, K)
             d_block = d_grams[..., r:r + sub, :, :r].reshape(*batch, sub * M, r)  # (..., sub*M, r)
             d_rows_to_ref = (d_block @ cols_from_ref).view(*batch, sub, M, K)  # (..., sub, M, K)
@@ -150,12 +154,11 @@ def kda_chunk(
     g_end = g_cum[..., -1:, :]  # (B, H, N, 1, K)
     sub = math.gcd(C, SUB_CHUNK)
     grams = _DecayedGram.apply(torch.stack([k, q], dim=-2), k, g_cum, sub)  # (B, H, N, C, 2, C)
-    k_gram = grams[..., 0, :].tril(-1)  # (B, H, N, C, C)
-    qk_gram = grams[..., 1, :]  # (B, H, N, C, C)
+    k_gram, qk_gram = grams.unbind(-2)  # (B, H, N, C, C) each, diagonal included
 
     # WY/UT transform: (I + beta A) [u_free, w] = beta [v, exp(G) k]; then u = u_free - w S_0.
     eye = torch.eye(C, dtype=compute, device=q.device)
-    system = eye + beta * k_gram  # (B, H, N, C, C), unit lower triangular
+    system = eye + beta * k_gram.tril(-1)  # (B, H, N, C, C), unit lower triangular
     rhs = beta * torch.cat([v, g_cum.exp() * k], dim=-1)  # (B, H, N, C, V+K)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_free, w = solved.split([V, K], dim=-1)  # (B, H, N, C, V), (B, H, N, C, K)

@@ -78,3 +78,19 @@ def test_output_dtype_follows_input():
     q, k, v, g, beta = (t.bfloat16() for t in make_inputs(20))
     o, s = kda_chunk(q, k, v, g, beta, SCALE, 16, output_final_state=True)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+
+
+def test_chunk_gradcheck_in_fp64(monkeypatch):
+    """The decayed gram has a hand-written backward: check it, and everything around it, against finite
+    differences. Sub-chunks of 4 in chunks of 12 keep it small: three sub-chunks in a full chunk, a
+    partial last chunk, and a given initial state."""
+    monkeypatch.setattr("kernels.kda.chunk.SUB_CHUNK", 4)
+    q, k, v, g, beta = make_inputs(17, seed=4)
+    inputs = [t[:1, :, :1, :4] for t in (q, k, v, g)] + [beta[:1, :, :1]]  # B = H = 1, K = V = 4
+    state0 = torch.randn(1, 1, 4, 4, generator=torch.Generator().manual_seed(5))
+    leaves = [t.double().requires_grad_() for t in inputs + [state0]]
+
+    def run(q, k, v, g, beta, state0):
+        return kda_chunk(q, k, v, g, beta, SCALE, 12, state0, output_final_state=True)
+
+    assert torch.autograd.gradcheck(run, leaves)
