@@ -15,10 +15,13 @@ setup(
         "tokenizers>=0.19",
         "tqdm>=4.66",
         "wandb>=0.17",
+        # scripts/report: the comparison report's figures (Agg backend, no display needed).
+        "matplotlib>=3.7",
     ],
     extras_require={
-        # triton runs the fused kernels on CPU under TRITON_INTERPRET=1, which is how the tests use it.
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.4,<4"],
+        # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (checked with triton 3.9).
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.9,<4"],
+        # CUDA builds of torch bring the triton they were built with; this only bounds it.
         "gpu": ["triton>=3.4,<4", "flash-linear-attention"],
         "megatron": ["megatron-core"],
     },

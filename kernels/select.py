@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -25,6 +26,9 @@ def use_triton(impl: str, tensor: torch.Tensor) -> bool:
     if impl == "triton":
         if not triton_available():
             raise ImportError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+            raise RuntimeError("impl='triton' on CPU tensors runs only under TRITON_INTERPRET=1 "
+                               "(the Triton interpreter)")
         return True
     if impl == "auto":
         return tensor.is_cuda and triton_available()

@@ -33,7 +33,7 @@ class MoEConfig:
 @dataclass
 class ResidualConfig:
     """One residual mixer; the paper's ablations are options of it, never new classes."""
-    variant: str = "block"          # baseline | full | block
+    variant: str = "block"          # baseline | full | block | mhc
     block_size: int | None = None   # sublayers per block (attention and MLP count 1 each); None: ~8 blocks
     query: str = "learned"          # learned | input_dependent
     kernel: str = "softmax"         # softmax | sigmoid
@@ -42,6 +42,7 @@ class ResidualConfig:
     heads: int = 1                  # multi-head depth attention
     window: int | None = None       # attend over the last `window` sources plus the embedding
     two_phase: bool = True          # Block: batched inter-block phase + online-softmax merge
+    streams: int = 4                # mhc: parallel residual streams
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ModelConfig:
     mla_every: int = 4              # 3 KDA : 1 MLA; the last block is always MLA
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    kernel_impl: str = "auto"       # auto | reference | triton: fused kernels (AttnRes two-phase read, PreNorms)
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

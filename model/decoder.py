@@ -24,7 +24,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, self.mixer) for i in range(cfg.n_blocks)})
         self.final_res = self.mixer.make_read(cfg.n_sublayers + 1)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)

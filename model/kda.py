@@ -54,6 +54,7 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = K = cfg.kda.head_dim  # d_k = d_v
         self.conv_kernel = W = cfg.kda.conv_kernel
         self.chunk_size = cfg.kda.chunk_size
+        self.kernel_impl = cfg.kernel_impl  # fla-core's fused chunk kernel on CUDA unless "reference"
         self.scale = K ** -0.5
 
         self.q_proj = nn.Linear(d, H * K, bias=False)
@@ -72,7 +73,7 @@ class KimiDeltaAttention(nn.Module):
 
         # Output gate, low rank through K, applied after a per-head RMSNorm shared by all heads.
         self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=True))
-        self.o_norm = RMSNorm(K, cfg.norm_eps)
+        self.o_norm = RMSNorm(K, cfg.norm_eps, cfg.kernel_impl)
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
         for module in self.modules():
@@ -112,11 +113,12 @@ class KimiDeltaAttention(nn.Module):
         g = -self.A_log.float().exp().view(H, 1) * dt  # (B, T, H, K), log decay <= 0
 
         if state is None:
-            o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size)
+            o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl)
         elif T == 1:  # decode step: the plain recurrence, no chunk padding
             o, state.recurrent = kda_recurrent(q, k, v, g, beta, self.scale, state.recurrent, True)
         else:  # prefill continuing from the state
-            o, state.recurrent = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, state.recurrent, True)
+            o, state.recurrent = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, state.recurrent, True,
+                                           impl=self.kernel_impl)
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v = tail_q, tail_k, tail_v
         o = o.to(x.dtype)  # (B, T, H, V)

@@ -16,9 +16,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, mixer: ResidualMixer):
         super().__init__()
         self.index = index
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.attn = MultiHeadLatentAttention(cfg) if cfg.is_mla(index) else KimiDeltaAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter, cfg.init_std)
         # Sublayers in paper units: attention is 2*index+1, MLP 2*index+2.
         self.attn_res = mixer.make_read(self.attn_sublayer)

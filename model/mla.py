@@ -43,7 +43,7 @@ class MultiHeadLatentAttention(nn.Module):
 
         self.q_proj = nn.Linear(cfg.d_model, self.n_heads * qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(cfg.d_model, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps, cfg.kernel_impl)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.d_model, bias=False)
         for proj in (self.q_proj, self.kv_a_proj, self.kv_b_proj, self.o_proj):

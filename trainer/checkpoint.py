@@ -232,8 +232,9 @@ def _flatten(values: dict, prefix: str) -> dict[str, object]:
 
 
 # Fields a resumed run may change: they neither shape the weights nor change what the model computes
-# beyond training dynamics (two_phase is an exact rewrite of the per-layer read).
-RESUMABLE_CHANGES = ("model.init_std", "model.kda.chunk_size", "model.moe.bias_update_rate",
+# beyond training dynamics (two_phase is an exact rewrite of the per-layer read; kernel_impl picks
+# kernels that compute the same thing).
+RESUMABLE_CHANGES = ("model.init_std", "model.kernel_impl", "model.kda.chunk_size", "model.moe.bias_update_rate",
                      "model.moe.aux_loss_coef", "model.residual.two_phase")
 
 
@@ -259,7 +260,12 @@ def check_compatible(meta: dict, fingerprint: str, path: str | Path = "") -> Non
     if written is None:
         raise CheckpointError(f"{name} has no model_fingerprint in its {META_FILE}; cannot tell which model wrote it")
     theirs, ours = _parse_fingerprint(written), _parse_fingerprint(fingerprint)
+    # A checkpoint written before an option existed (e.g. variant.streams) was built with its default.
+    defaults = _parse_fingerprint(model_fingerprint(ModelConfig()))
+    theirs = {**{key: defaults[key] for key in ours if key not in theirs and key in defaults}, **theirs}
     differing = [key for key in dict.fromkeys([*theirs, *ours]) if theirs.get(key) != ours.get(key)]
+    if not differing:
+        return
 
     def show(values: dict[str, str]) -> str:
         return " ".join(f"{key}={values.get(key, '<absent>')}" for key in differing)

@@ -108,7 +108,7 @@ class Config:
 
 
 CHOICES = {
-    "variant.variant": ("baseline", "full", "block"),
+    "variant.variant": ("baseline", "full", "block", "mhc"),
     "variant.query": ("learned", "input_dependent"),
     "variant.kernel": ("softmax", "sigmoid"),
     "variant.mixing": ("attention", "static"),
@@ -124,8 +124,8 @@ POSITIVE = (
     "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel", "model.kda.chunk_size",
     "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
     "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
-    "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch", "train.log_every",
-    "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last", "train.diag_every",
+    "variant.streams", "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last", "train.diag_every",
     "train.max_bad_steps", "optim.lr", "parallel.pp", "parallel.vp",
 )
 
@@ -179,6 +179,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
     if p.pp > 1:
+        if r.variant == "mhc":
+            raise ConfigError("variant=mhc is not supported under pipeline parallelism (parallel.pp > 1); "
+                              "use parallel=single or dp2")
         if p.pp * p.vp > m.n_blocks:
             raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
                               f"{m.n_blocks} transformer blocks")

@@ -1,5 +1,55 @@
-"""Depth attention ops for AttnRes (reference implementation)."""
-from kernels.attnres.reference import (depth_attention, depth_scores, inverse_rms, merge, phase1,
-                                       source_weights, weighted_sum)
+"""Depth attention ops for AttnRes, dispatched by `impl = auto | reference | triton` (see kernels.select).
 
-__all__ = ["depth_attention", "depth_scores", "inverse_rms", "merge", "phase1", "source_weights", "weighted_sum"]
+The two-phase read (`phase1`, `phase2`) has fused Triton kernels for the softmax kernel in fp32, bf16
+and fp16; the sigmoid kernel and fp64 (the tests' oracle precision) always take the reference. The
+per-layer read (`depth_attention`) and the other helpers are the reference only.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attnres import reference
+from kernels.attnres.reference import (depth_attention, depth_scores, inverse_rms, merge, source_weights,
+                                       weighted_sum)
+from kernels.select import IMPLS, use_triton
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused(impl: str, kernel: str, activations: torch.Tensor) -> bool:
+    return kernel == "softmax" and activations.dtype in TRITON_DTYPES and use_triton(impl, activations)
+
+
+def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None, kernel: str = "softmax",
+           impl: str = "auto", inv_rms_cache: list[torch.Tensor] | None = None):
+    """Inter-block read for the S queries of one block: (o, m, l, scores) as in `reference.phase1`.
+
+    eps: the key-norm epsilon, None without key norm (queries already carry the key-norm gain).
+    inv_rms_cache: the blocks' inverse RMS known so far; the reference path extends it and reuses it
+    across calls, the fused kernel computes the key norm itself.
+    """
+    if _fused(impl, kernel, blocks[0]):
+        from kernels.attnres import triton as fused
+        return fused.phase1(blocks, queries, eps)
+    inv_rms = None
+    if eps is not None:
+        cache = [] if inv_rms_cache is None else inv_rms_cache
+        for block in blocks[len(cache):]:
+            cache.append(inverse_rms(block, queries.shape[1], eps))
+        inv_rms = cache[:len(blocks)]
+    return reference.phase1(blocks, queries, inv_rms, kernel)
+
+
+def phase2(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
+           eps: float | None, kernel: str = "softmax", impl: str = "auto"):
+    """One sublayer's read of the partial sum merged with its phase-1 read: (h, scores) as in
+    `reference.phase2`; eps as in `phase1`."""
+    if _fused(impl, kernel, partial):
+        from kernels.attnres import triton as fused
+        return fused.phase2(o1, m1, l1, partial, query, eps)
+    inv_rms = None if eps is None else inverse_rms(partial, query.shape[0], eps)
+    return reference.phase2(o1, m1, l1, partial, query, inv_rms, kernel)
+
+
+__all__ = ["IMPLS", "depth_attention", "depth_scores", "inverse_rms", "merge", "phase1", "phase2",
+           "source_weights", "weighted_sum"]

@@ -5,8 +5,9 @@ from model.config import ModelConfig
 from model.residual.attnres import AttnResidual
 from model.residual.base import DepthState, ResidualMixer
 from model.residual.baseline import BaselineResidual
+from model.residual.mhc import HyperConnectionResidual
 
-VARIANTS = ("baseline", "full", "block")
+VARIANTS = ("baseline", "full", "block", "mhc")
 
 
 def build_mixer(cfg: ModelConfig) -> ResidualMixer:
@@ -14,7 +15,10 @@ def build_mixer(cfg: ModelConfig) -> ResidualMixer:
     if variant == "baseline":
         return BaselineResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps)
     if variant in ("full", "block"):
-        return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, cfg.residual, cfg.block_size)
+        return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, cfg.residual, cfg.block_size,
+                            cfg.kernel_impl)
+    if variant == "mhc":
+        return HyperConnectionResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, cfg.residual.streams)
     raise ValueError(f"residual.variant={variant!r} is not one of {', '.join(VARIANTS)}")
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attnres import depth_attention, depth_scores, inverse_rms, merge, phase1, source_weights, weighted_sum
+from kernels.attnres import depth_attention, inverse_rms, phase1, phase2, source_weights, weighted_sum
 from model.config import ResidualConfig
 from model.residual.base import DepthState, ResidualMixer
 from model.residual.read import DepthRead
 
 
 class AttnResidual(ResidualMixer):
-    def __init__(self, d_model: int, n_sublayers: int, eps: float, options: ResidualConfig, block_size: int):
+    def __init__(self, d_model: int, n_sublayers: int, eps: float, options: ResidualConfig, block_size: int,
+                 impl: str = "auto"):
         super().__init__(d_model, n_sublayers, eps)
         self.options = options
+        self.impl = impl  # the two-phase read's kernels (kernels.attnres); the per-layer read is reference-only
         self.block_size = block_size
         self.heads = options.heads
         self.two_phase = (options.two_phase and options.query == "learned" and options.mixing == "attention"
@@ -53,6 +55,9 @@ class AttnResidual(ResidualMixer):
 
     def final(self, state: DepthState, read: DepthRead) -> torch.Tensor:
         return self._read_sources(state, read, self.n_sublayers + 1, state.partial is not None)
+
+    def _key_norm_eps(self, read: DepthRead) -> float | None:
+        return self.eps if read.key_norm is not None else None
 
     def _key_inv_rms(self, source: torch.Tensor) -> torch.Tensor:
         return inverse_rms(source, self.heads, self.eps)
@@ -92,17 +97,11 @@ class AttnResidual(ResidualMixer):
             h = o1 if kernel != "softmax" else (o1.unflatten(-1, (self.heads, -1)) / l1.unsqueeze(-1)).flatten(-2)
             self._record_weights(state, sublayer, source_weights(scores1, kernel), None)
             return h.to(state.blocks[0].dtype)
-        partial = state.partial
-        inv_rms = [self._key_inv_rms(partial)] if read.key_norm is not None else None
-        scores2 = depth_scores([partial], read.learned_query(), inv_rms)  # (1, B, T, H)
-        if kernel == "softmax":
-            o2, m2, l2 = partial.to(o1.dtype), scores2[0], torch.ones_like(scores2[0])
-        else:
-            o2, m2, l2 = weighted_sum(torch.sigmoid(scores2), [partial]).to(o1.dtype), None, None
-        h = merge(o1, m1, l1, o2, m2, l2, kernel)
+        h, scores2 = phase2(o1, m1, l1, state.partial, read.learned_query(), self._key_norm_eps(read), kernel,
+                            impl=self.impl)
         if state.diagnostics is not None:
             self._record_weights(state, sublayer, source_weights(torch.cat([scores1, scores2]), kernel), None)
-        return h.to(partial.dtype)
+        return h
 
     def _run_phase1(self, state: DepthState, sublayer: int) -> None:
         """Batch every query of this block that lives here (a pipeline stage may hold only part of it)."""
@@ -112,8 +111,8 @@ class AttnResidual(ResidualMixer):
             raise KeyError(f"depth read for sublayer {sublayer} is not registered in DepthState.reads")
         reads = [state.reads[l] for l in members]
         queries = torch.stack([r.learned_query() for r in reads])  # (S, H, d/H)
-        inv_rms = self._block_inv_rms(state) if reads[0].key_norm is not None else None
-        o, m, l, scores = phase1(state.blocks, queries, inv_rms, self.options.kernel)
+        o, m, l, scores = phase1(state.blocks, queries, self._key_norm_eps(reads[0]), self.options.kernel,
+                                 impl=self.impl, inv_rms_cache=state.block_inv_rms)
         for j, member in enumerate(members):
             state.phase1[member] = (o[j], m[j], l[j], scores[j])
 

@@ -19,7 +19,8 @@ class DepthState:
     """Everything that flows along depth for one batch of tokens.
 
     blocks: completed sources b_0 (the embedding), b_1, ... (Full: every sublayer output).
-    partial: sum of the current block's outputs so far (the baseline keeps its running sum here).
+    partial: sum of the current block's outputs so far (the baseline keeps its running sum here;
+        mHC its m streams as one (m, B, T, d) tensor).
     next_sublayer: paper index of the sublayer that reads next (1-based).
     The remaining fields are caches recomputable from the above; they never cross a pipeline stage.
     """
@@ -30,6 +31,7 @@ class DepthState:
     block_inv_rms: list[torch.Tensor] = field(default_factory=list)  # per block, (B, T, H)
     phase1: dict[int, tuple] = field(default_factory=dict)           # sublayer -> batched inter-block read
     diagnostics: dict | None = None                                  # filled when requested
+    pending_write: tuple | None = None                               # mHC: the read's (beta, A) for the write
 
 
 class ResidualMixer:

@@ -184,3 +184,12 @@ def test_non_finite_weights_refuse_to_save_and_keep_the_previous_checkpoint(tmp_
     fresh = build_model(cfg)
     load_checkpoint(first, fresh, [], None, rank=0)
     assert all(torch.isfinite(p).all() for p in fresh.parameters())
+
+
+def test_option_added_after_the_checkpoint_compares_as_its_default():
+    ours = model_fingerprint(ModelConfig(d_model=256))
+    older = " ".join(item for item in ours.split() if not item.startswith("variant.streams="))
+    check_compatible({"model_fingerprint": older}, ours)
+    with pytest.raises(CheckpointError, match="variant.streams=4; this run has variant.streams=2$"):
+        check_compatible({"model_fingerprint": older},
+                         model_fingerprint(ModelConfig(d_model=256, residual=ResidualConfig(streams=2))))

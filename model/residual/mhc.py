@@ -1,0 +1,102 @@
+"""mHC: manifold-constrained Hyper-Connections, the paper's strongest prior baseline (Table 4).
+
+m parallel residual streams H (m, B, T, d). Before sublayer l, from x = rmsnorm(mean_j H_j):
+    alpha = alpha_0 + P_a x          (m,)    width connection: the sublayer reads h = sum_j alpha_j H_j
+    beta  = beta_0  + P_b x          (m,)    depth connection: the output v is added to stream k as beta_k v
+    A     = sinkhorn(A_0 + P_A x)    (m, m)  stream mixing, doubly stochastic
+and after it H'_k = sum_j A_kj H_j + beta_k v. Every coefficient is per token; the projections P are
+zero-initialised, so at step 0 the connections are the static alpha_0, beta_0, A_0.
+
+Initialisation (Hyper-Connections' rule): the embedding is copied into every stream, alpha_0 is the
+one-hot e_{(l-1) mod m}, beta_0 is all ones. The streams then stay identical and sublayer l reads
+exactly the PreNorm running sum, whatever A is (its rows sum to 1), so the default init *is* the
+baseline; the one-hot reads give the streams different gradients, which is what lets them diverge.
+A_0 leans towards the identity (HC starts from A = I) but stays inside the polytope: sharper
+diagonals slow Sinkhorn's geometric convergence (at a diagonal logit of 3, 20 iterations leave column
+sums off by ~1e-4). The final hidden state is the mean of the streams. As in HC/mHC, alpha
+and beta are unconstrained (the mHC paper's sigmoid gates cannot express the one-hot init);
+only A carries the manifold constraint, which keeps the stream mean a plain residual recurrence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.residual.base import DepthState, ResidualMixer
+
+SINKHORN_ITERATIONS = 20  # the mHC paper's t_max
+MIX_INIT_LOGIT = 1.0      # diagonal of A_0's logits: A_0 has ~0.48 on the diagonal for m = 4
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    # Connection coefficients are computed in fp32 under bf16 autocast, in fp64 for a float64 model.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
+    """(..., m, m) logits -> doubly stochastic matrices: exp, then alternate column and row normalisation
+    (in log space, at least fp32). Rows go last, so they sum to 1 to rounding: identical streams stay identical."""
+    log_a = logits.to(at_least_fp32(logits.dtype))
+    for _ in range(iterations):
+        log_a = log_a - log_a.logsumexp(-2, keepdim=True)
+        log_a = log_a - log_a.logsumexp(-1, keepdim=True)
+    return log_a.exp()
+
+
+class StreamConnections(nn.Module):
+    """One sublayer's width / depth connections and stream-mixing logits (static part + projection)."""
+
+    def __init__(self, d_model: int, streams: int, sublayer: int, eps: float):
+        super().__init__()
+        self.streams, self.eps = streams, eps
+        self.read_bias = nn.Parameter(F.one_hot(torch.tensor((sublayer - 1) % streams), streams).float())
+        self.write_bias = nn.Parameter(torch.ones(streams))
+        self.mix_bias = nn.Parameter(MIX_INIT_LOGIT * torch.eye(streams))
+        self.proj = nn.Linear(d_model, 2 * streams + streams * streams, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams (m, B, T, d) -> alpha (B, T, m), beta (B, T, m), A (B, T, m, m)."""
+        mean = streams.mean(0)
+        # The projection follows the norm, so a norm gain would be redundant: plain rms normalisation.
+        dynamic = self.proj(F.rms_norm(mean, (mean.shape[-1],), eps=self.eps))
+        dynamic = dynamic.to(at_least_fp32(dynamic.dtype))
+        m = self.streams
+        alpha = self.read_bias + dynamic[..., :m]
+        beta = self.write_bias + dynamic[..., m:2 * m]
+        mix = sinkhorn(self.mix_bias + dynamic[..., 2 * m:].unflatten(-1, (m, m)))
+        return alpha, beta, mix
+
+
+class HyperConnectionResidual(ResidualMixer):
+    """`DepthState.partial` holds the streams (m, B, T, d); `blocks` stays empty. The read computes the
+    sublayer's connections and leaves (beta, A) in `state.pending_write` for the write that follows."""
+
+    def __init__(self, d_model: int, n_sublayers: int, eps: float, streams: int):
+        super().__init__(d_model, n_sublayers, eps)
+        self.streams = streams
+
+    def make_read(self, sublayer: int) -> StreamConnections | None:
+        # The final read is the parameter-free stream mean.
+        return StreamConnections(self.d_model, self.streams, sublayer, self.eps) if sublayer <= self.n_sublayers else None
+
+    def start(self, embedding: torch.Tensor) -> DepthState:
+        return DepthState(blocks=[], partial=embedding.unsqueeze(0).expand(self.streams, *embedding.shape))
+
+    def read(self, state: DepthState, read: StreamConnections) -> torch.Tensor:
+        alpha, beta, mix = read(state.partial)
+        dtype = state.partial.dtype
+        state.pending_write = (beta.to(dtype), mix.to(dtype))
+        return torch.einsum("btj,jbtd->btd", alpha.to(dtype), state.partial)
+
+    def write(self, state: DepthState, output: torch.Tensor) -> None:
+        self.record_output(state, output)
+        beta, mix = state.pending_write
+        state.pending_write = None
+        mixed = torch.einsum("btkj,jbtd->kbtd", mix, state.partial)
+        state.partial = mixed + beta.permute(2, 0, 1).unsqueeze(-1) * output
+        state.next_sublayer += 1
+
+    def final(self, state: DepthState, read) -> torch.Tensor:
+        return state.partial.mean(0)

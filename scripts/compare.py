@@ -1,0 +1,97 @@
+"""Train a comparison experiment through the normal trainer, then write its report.
+
+    python -m scripts.compare experiment=quick [seeds=[0,1]] [train.steps=50 ...]
+    python -m scripts.compare runs=[runs/a,runs/b] [report_dir=reports/mine]   # report only
+    python -m scripts.compare --report-only runs/a runs/b [--out reports/mine]
+
+Each run trains in this process into runs/<experiment>/<run>-s<seed>. A run whose newest checkpoint
+is at train.steps is skipped; an unfinished one resumes (resume=auto). Under torchrun every rank
+walks the same plan, so the runs train data-parallel. The report goes to reports/<experiment>/.
+Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from parallel.dims import init_distributed, shutdown
+from scripts.experiments import Experiment, load_experiment, split_overrides
+from scripts.report import build_report
+from trainer.checkpoint import latest_checkpoint, read_meta
+from trainer.config import ConfigError, load_config
+from trainer.trainer import KNOWN_ERRORS, Trainer
+
+
+def progress(line: str) -> None:
+    print(f"[compare] {line}", file=sys.stderr, flush=True)
+
+
+def completed_steps(run_dir: Path) -> int:
+    checkpoint = latest_checkpoint(run_dir)
+    return read_meta(checkpoint)["step"] if checkpoint is not None else 0
+
+
+def train_experiment(experiment: Experiment) -> list[Path]:
+    """Train every planned run that is not finished; returns the run directories in plan order."""
+    info = init_distributed()
+    say = progress if info.is_main else (lambda line: None)
+    total = len(experiment.runs)
+    for k, run in enumerate(experiment.runs, start=1):
+        cfg = load_config(run.overrides)
+        done = completed_steps(run.run_dir)
+        if done >= cfg.train.steps:
+            say(f"{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
+            continue
+        state = f"resuming at step {done}" if done else "training"
+        say(f"{k}/{total} {run.name}: {state} to {cfg.train.steps} steps in {run.run_dir}")
+        started = time.perf_counter()
+        Trainer(cfg, info).fit()
+        say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+    return [run.run_dir for run in experiment.runs] if info.is_main else []
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="experiment=NAME, runs=[DIRS], seeds=[...], runs_dir=, "
+                                                     "report_dir=, and trainer overrides for every run")
+    parser.add_argument("--report-only", nargs="+", metavar="RUN_DIR", help="only build the report from these runs")
+    parser.add_argument("--out", help="report directory for --report-only / runs= (default reports/<experiment>)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    options = {item.split("=", 1)[0]: item.split("=", 1)[1] for item in args.overrides if "=" in item}
+    name = options.get("experiment", "quick")
+    report_only = args.report_only
+    if report_only is None and "runs" in options:
+        report_only = list(OmegaConf.from_dotlist([f"runs={options['runs']}"]).runs)
+    started = time.perf_counter()
+    try:
+        if report_only:
+            tool, _ = split_overrides(args.overrides)
+            report_dir = args.out or OmegaConf.from_dotlist(tool).get("report_dir") or f"reports/{name}"
+            report = build_report(list(report_only), report_dir, f"Comparison report: {len(report_only)} runs")
+        else:
+            rest = [item for item in args.overrides if item.split("=", 1)[0] != "experiment"]
+            experiment = load_experiment(name, rest)
+            progress(f"experiment {experiment.name}: {len(experiment.runs)} runs")
+            run_dirs = train_experiment(experiment)
+            if not run_dirs:
+                return
+            report = build_report(run_dirs, args.out or experiment.report_dir,
+                                  f"Comparison report: experiment {experiment.name}")
+    except (ConfigError, *KNOWN_ERRORS) as error:
+        progress(f"error: {str(error).splitlines()[0]}")
+        sys.exit(2)
+    finally:
+        shutdown()
+    progress(f"report {report} ({time.perf_counter() - started:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Comparison experiments: a grid of runs read from configs/experiment/<name>.yaml.
+
+An experiment file holds
+    seeds: [0, 1]              every run is trained once per seed (seed sets init and data order)
+    shared: [train.steps=...]  trainer overrides every run gets: same data, tokens and hyperparameters
+    runs:                      name + overrides (model size, variant and its options); optional seeds
+      - {name: s-block, overrides: [model=s, variant=block]}
+and optionally runs_dir / report_dir (default runs/<name>, reports/<name>). The files are read with
+OmegaConf, not composed by Hydra: they describe many trainer configs, not one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from trainer.config import CONFIG_DIR, ConfigError
+
+EXPERIMENT_DIR = CONFIG_DIR / "experiment"
+TOOL_KEYS = ("seeds", "runs_dir", "report_dir")  # command-line keys for the tool; the rest go to the trainer
+
+
+@dataclass
+class PlannedRun:
+    name: str            # <run>-s<seed>, also the run directory's name
+    run_dir: Path
+    overrides: list[str]
+
+
+@dataclass
+class Experiment:
+    name: str
+    report_dir: Path
+    runs: list[PlannedRun]
+
+
+def experiment_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".yaml":
+        return path
+    path = EXPERIMENT_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = " | ".join(sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml")))
+        raise ConfigError(f"experiment={name_or_path!r} is not one of {known} (or a path to a .yaml file)")
+    return path
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the tool's own key=value items, trainer overrides)."""
+    tool = [item for item in overrides if item.split("=", 1)[0] in TOOL_KEYS]
+    return tool, [item for item in overrides if item not in tool]
+
+
+def load_experiment(name_or_path: str, overrides: list[str] = ()) -> Experiment:
+    """The experiment's runs; `overrides` may set seeds / runs_dir / report_dir, the rest reach every run."""
+    path = experiment_path(name_or_path)
+    tool, trainer_overrides = split_overrides(list(overrides))
+    spec = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(tool))
+    name = path.stem
+    runs_dir = Path(spec.get("runs_dir") or f"runs/{name}")
+    planned = []
+    for run in spec.runs:
+        for seed in run.get("seeds") or spec.seeds:
+            run_name = f"{run.name}-s{seed}"
+            run_dir = runs_dir / run_name
+            planned.append(PlannedRun(run_name, run_dir, [
+                *spec.get("shared", []), *run.overrides, *trainer_overrides,
+                f"seed={seed}", f"run.dir={run_dir}", "resume=auto"]))
+    return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned)

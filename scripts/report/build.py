@@ -1,0 +1,121 @@
+"""Assemble report.md and its figures from run directories."""
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from scripts.report import curves, depth, sweeps
+from scripts.report.runs import Group, Run, group_runs
+from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
+from scripts.report.table import Row, build_rows, to_markdown
+
+FLOPS_NOTE = ("FLOPs are training FLOPs (forward + backward) from `model/flops.py`: 6 x activated matmul parameters "
+              "per token plus MLA attention, the KDA recurrence and the depth reads.")
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
+def image(path: Path, caption: str) -> str:
+    return f"![{caption}]({path.name})"
+
+
+def ordering(rows: list[Row]) -> list[str]:
+    """Per size, the variants from lowest to highest final loss, with each difference's noise verdict."""
+    lines = []
+    for size in dict.fromkeys(r.group.size for r in rows):
+        ranked = sorted((r for r in rows if r.group.size == size and r.loss is not None), key=lambda r: r.loss)
+        if len(ranked) < 2:
+            continue
+        lines.append(f"- **{size}**, lowest loss first: " + " < ".join(f"{r.group.variant} {r.loss:.4f}" for r in ranked))
+        lines += [f"  - {r.group.variant} vs baseline: {r.diff:+.4f}, {r.verdict}" for r in ranked if r.diff is not None]
+    return lines
+
+
+def magnitude_lines(groups: list[Group]) -> list[str]:
+    lines = []
+    for group in groups:
+        out, grad = depth.mean_record(group, "output_rms"), depth.mean_record(group, "grad_rms")
+        if not out or not grad:
+            continue
+        out_values = [out[k] for k in sorted(out, key=int)]
+        grad_values = [grad[k] for k in sorted(grad, key=int)]
+        lines.append(f"- {group.size} {group.variant}: output RMS sublayer 1 -> {len(out_values)}: "
+                     f"{out_values[0]:.3g} -> {out_values[-1]:.3g} (max/min {max(out_values) / min(out_values):.1f}x); "
+                     f"gradient RMS first/last block {grad_values[0] / max(grad_values[-1], 1e-30):.2f}x")
+    return lines
+
+
+def scaling_section(groups: list[Group], out_dir: Path) -> list[str]:
+    """Fit L = A C^-alpha per variant family with at least three sizes."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for group in groups:
+        losses = sweeps.final_losses(group)
+        if losses:
+            compute = statistics.fmean(run.tokens * run.flops_per_token for run in group.runs)
+            points.setdefault(group.runs[0].family, []).append((compute, statistics.fmean(losses)))
+    fits: dict[str, PowerLaw] = {family: fit_power_law(*zip(*pts)) for family, pts in points.items()
+                                 if len({c for c, _ in pts}) >= 3}
+    if not fits:
+        return []
+    lines = ["## Scaling", "", image(sweeps.scaling(points, fits, out_dir / "scaling.png"), "scaling fit"), "",
+             "| variant | A | alpha | sizes |", "|---|---|---|---|"]
+    lines += [f"| {family} | {fit.A:.4g} | {fit.alpha:.4f} | {len(points[family])} |" for family, fit in fits.items()]
+    if "baseline" in fits:
+        lines.append("")
+        for family, pts in points.items():
+            if family != "baseline":
+                compute, loss = max(pts)
+                multiplier = compute_multiplier(fits["baseline"], loss, compute)
+                lines.append(f"- {family} at the largest size: the baseline's fit needs {multiplier:.2f}x the compute "
+                             f"to reach its loss {loss:.4f} (the paper: 1.25x for Block)")
+    return lines + [""]
+
+
+def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) -> Path:
+    """Write out_dir/report.md and its PNG figures; returns the report's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [Run.load(path) for path in run_dirs]
+    groups = group_runs(runs)
+    rows = build_rows(groups)
+    seeds = max(len(g.runs) for g in groups)
+    lines = [f"# {title}", "",
+             f"{len(runs)} runs: " + ", ".join(f"`{run.path}`" for run in runs) + ".", "",
+             "## Final validation loss", "", to_markdown(rows), "",
+             "Differences to the baseline are called seed noise when |diff| < 2 x pooled std over seeds"
+             + ("; with a single seed there is no noise estimate, so no difference here can be called real."
+                if seeds < 2 else "."), "", *ordering(rows), "",
+             "## Loss curves", "", FLOPS_NOTE, "",
+             image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
+             image(curves.loss_vs_compute(groups, out_dir / "loss_vs_compute.png"), "validation loss vs compute"), "",
+             "## Output and gradient magnitude (end of training)", ""]
+    for size in dict.fromkeys(g.size for g in groups):
+        figure = depth.magnitudes(groups, size, out_dir / f"magnitudes_{slug(size)}.png")
+        if figure is not None:
+            lines += [image(figure, f"{size} magnitudes"), ""]
+    lines += magnitude_lines(groups) + ["", "## Depth attention (end of training)", ""]
+    entropy_rows = []
+    for group in groups:
+        mean_entropy = depth.depth_heatmaps(group, out_dir / f"depth_{slug(group.size)}_{slug(group.variant)}.png")
+        if mean_entropy is not None:
+            lines += [image(out_dir / f"depth_{slug(group.size)}_{slug(group.variant)}.png", group.variant), ""]
+            entropy_rows.append(f"| {group.size} | {group.variant} | {mean_entropy['pre-attention']:.3f} "
+                                f"| {mean_entropy['pre-MLP']:.3f} |")
+    if entropy_rows:
+        lines += ["Mean row entropy (nats; uniform over n sources is ln n):", "",
+                  "| size | variant | pre-attention | pre-MLP |", "|---|---|---|---|", *entropy_rows, ""]
+        importance = depth.layer_importance(groups, out_dir / "layer_importance.png")
+        lines += ["Layer importance I_i = sum over later reads of alpha_{i->l}:", "",
+                  image(importance, "layer importance"), ""]
+    else:
+        lines += ["No run recorded depth-attention weights (baseline and mHC have none).", ""]
+    for size in sweeps.sweep_sizes(groups):
+        figure = sweeps.block_size_sweep(groups, size, out_dir / f"block_size_sweep_{slug(size)}.png")
+        lines += [f"## Block-size sweep ({size})", "", image(figure, "block-size sweep"), ""]
+    lines += scaling_section(groups, out_dir)
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines).rstrip() + "\n")
+    return report

@@ -1,0 +1,167 @@
+"""Read finished (or unfinished) run directories: config.yaml, metrics.jsonl, diagnostics.jsonl.
+
+Runs are grouped by (model size, residual variant) read from their resolved config, so the report
+works the same on runs the comparison tool trained and on run directories copied from a cluster.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from model.config import ModelConfig, ResidualConfig
+from model.flops import training_flops_per_token
+from trainer.config import CONFIG_DIR, Config
+
+VARIANT_ORDER = ("baseline", "full", "block", "mhc")
+# Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
+OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def by_step(records: list[dict]) -> list[dict]:
+    """One record per step, the last one written: a resumed run re-logs the steps after its checkpoint."""
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+
+
+def _shape(model: ModelConfig) -> dict:
+    shape = dataclasses.asdict(model)
+    for key in ("residual", "kernel_impl", "init_std", "norm_eps"):
+        shape.pop(key)
+    return shape
+
+
+def size_name(model: ModelConfig) -> str:
+    """The configs/model/ name with this shape (xs, s, ...), else d<width>xL<blocks>."""
+    for path in sorted((CONFIG_DIR / "model").glob("*.yaml")):
+        known = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+        if _shape(known) == _shape(model):
+            return path.stem
+    return f"d{model.d_model}xL{model.n_blocks}"
+
+
+def variant_label(model: ModelConfig, with_block_size: bool = True) -> str:
+    """'baseline', 'full', 'block S=2', 'mhc m=4', plus every option that differs from its default."""
+    r, default = model.residual, ResidualConfig()
+    block = f"block S={model.block_size}" if with_block_size else "block"
+    label = {"block": block, "mhc": f"mhc m={r.streams}"}.get(r.variant, r.variant)
+    if r.variant in ("full", "block"):
+        label += "".join(f" {key}={getattr(r, key)}" for key in OPTIONS if getattr(r, key) != getattr(default, key))
+    return label
+
+
+@dataclass
+class Run:
+    path: Path
+    config: Config
+    metrics: list[dict]       # one training record per logged step
+    diagnostics: list[dict]   # one record per diag_every steps
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Run":
+        path = Path(path)
+        if not (path / "config.yaml").is_file():
+            raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
+        raw = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path / "config.yaml"))
+        metrics = by_step([r for r in read_jsonl(path / "metrics.jsonl") if "loss" in r])
+        return cls(path, OmegaConf.to_object(raw), metrics, by_step(read_jsonl(path / "diagnostics.jsonl")))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @cached_property
+    def size(self) -> str:
+        return size_name(self.config.model)
+
+    @property
+    def variant(self) -> str:
+        return variant_label(self.config.model)
+
+    @property
+    def family(self) -> str:
+        """The variant across model sizes: the default Block (about 8 blocks) has a different S per size."""
+        return variant_label(self.config.model, with_block_size=self.config.model.residual.block_size is not None)
+
+    @property
+    def steps(self) -> int:
+        return self.metrics[-1]["step"] if self.metrics else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.steps >= self.config.train.steps
+
+    @property
+    def val_curve(self) -> list[tuple[int, float]]:
+        """(tokens, validation loss) at every evaluation."""
+        return [(r["tokens"], r["val_loss"]) for r in self.metrics if "val_loss" in r]
+
+    @property
+    def final_val_loss(self) -> float | None:
+        curve = self.val_curve
+        return curve[-1][1] if curve else None
+
+    @property
+    def tokens(self) -> int:
+        return self.metrics[-1]["tokens"] if self.metrics else 0
+
+    @property
+    def step_time(self) -> float | None:
+        """Median seconds per step, leaving out step 1 (warm-up)."""
+        times = [r["step_time_s"] for r in self.metrics if r["step"] > 1] or [r["step_time_s"] for r in self.metrics]
+        return statistics.median(times) if times else None
+
+    @cached_property
+    def flops_per_token(self) -> float:
+        return training_flops_per_token(self.config.model, self.config.train.seq_len)["total"]
+
+    @property
+    def final_diagnostics(self) -> dict | None:
+        return self.diagnostics[-1] if self.diagnostics else None
+
+
+@dataclass
+class Group:
+    """The seeds of one (size, variant)."""
+    size: str
+    variant: str
+    runs: list[Run]
+
+    @property
+    def kind(self) -> str:
+        return self.runs[0].config.model.residual.variant
+
+    @property
+    def block_size(self) -> int:
+        return self.runs[0].config.model.block_size
+
+    @property
+    def is_plain_block(self) -> bool:
+        """Block AttnRes with every option at its default (a point of the block-size sweep)."""
+        return self.kind == "block" and self.variant == f"block S={self.block_size}"
+
+    def sort_key(self) -> tuple:
+        model = self.runs[0].config.model
+        return (model.d_model, model.n_blocks, VARIANT_ORDER.index(self.kind), self.block_size, self.variant)
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    groups: dict[tuple[str, str], Group] = {}
+    for run in runs:
+        key = (run.size, run.variant)
+        groups.setdefault(key, Group(run.size, run.variant, [])).runs.append(run)
+    for group in groups.values():
+        group.runs.sort(key=lambda r: r.seed)
+    return sorted(groups.values(), key=Group.sort_key)
