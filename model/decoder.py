@@ -29,19 +29,25 @@ class Decoder(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None,
+                cache: dict[int, object] | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). Pass a dict as `diagnostics` to have it filled with
-        per-sublayer output RMS and mean depth-attention weights."""
+        per-sublayer output RMS and mean depth-attention weights; pass `cache` (new_inference_cache)
+        to continue a sequence token by token or chunk by chunk."""
         state = self.mixer.start(self.embed(tokens))
         state.diagnostics = diagnostics
-        state = self.forward_layers(state)
+        state = self.forward_layers(state, cache)
         return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
 
-    def forward_layers(self, state: DepthState) -> DepthState:
+    def forward_layers(self, state: DepthState, cache: dict[int, object] | None = None) -> DepthState:
         state.reads = self.depth_reads()
         for block in self.layers.values():
-            state = block(state, self.mixer)
+            state = block(state, self.mixer, None if cache is None else cache[block.index])
         return state
+
+    def new_inference_cache(self, batch: int, device, dtype) -> dict[int, object]:
+        """Per-block decoding caches. Depth attention mixes within one token, so nothing else is kept."""
+        return {block.index: block.new_cache(batch, device, dtype) for block in self.layers.values()}
 
     def depth_reads(self) -> dict[int, nn.Module]:
         """Sublayer -> depth-read parameters, for the blocks present in this module."""

@@ -28,12 +28,19 @@ class TransformerBlock(nn.Module):
     def attn_sublayer(self) -> int:
         return 2 * self.index + 1
 
-    def forward(self, state: DepthState, mixer: ResidualMixer) -> DepthState:
+    def new_cache(self, batch: int, device, dtype):
+        """This block's decoding cache: the KDA recurrent state or the MLA compressed KV."""
+        if isinstance(self.attn, MultiHeadLatentAttention):
+            return self.attn.new_cache(batch, device, dtype)
+        return self.attn.new_state(batch, device, dtype)
+
+    def forward(self, state: DepthState, mixer: ResidualMixer, cache=None) -> DepthState:
+        """`cache` (from new_cache) continues a sequence: the token mixer reads and extends it."""
         if state.next_sublayer != self.attn_sublayer:
             raise RuntimeError(f"block {self.index} expects sublayer {self.attn_sublayer}, "
                                f"the depth state is at {state.next_sublayer}")
         h = mixer.read(state, self.attn_res)
-        mixer.write(state, self.attn(self.attn_norm(h)))
+        mixer.write(state, self.attn(self.attn_norm(h), cache))
         h = mixer.read(state, self.mlp_res)
         mixer.write(state, self.mlp(self.mlp_norm(h)))
         return state

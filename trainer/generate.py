@@ -23,8 +23,8 @@ from trainer.config import Config
 
 @dataclass
 class GenerateArgs:
-    checkpoint: str = ""
-    prompt: str = ""
+    checkpoint: str | None = None
+    prompt: str | None = None
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0

@@ -8,8 +8,9 @@ from trainer.config import load_config
 
 
 def make(variant):
+    """fp32: KDA and the MoE router compute in fp32 whatever the dtype, so fp64 would not be tighter."""
     torch.manual_seed(0)
-    model = build_model(load_config(["model=xs", f"variant={variant}"])).double().eval()
+    model = build_model(load_config(["model=xs", f"variant={variant}"])).eval()
     with torch.no_grad():  # non-zero queries, so the depth reads are not uniform
         for name, p in model.named_parameters():
             if name.endswith(".query"):
@@ -25,23 +26,23 @@ def test_incremental_decoding_equals_the_full_forward(variant):
     model = make(variant)
     with torch.no_grad():
         full = model(TOKENS)
-        cache = model.new_inference_cache(2, torch.device("cpu"), torch.float64)
+        cache = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
         steps = [prefill(model, TOKENS[:, :7], cache)]
         steps += [model(TOKENS[:, t:t + 1], cache=cache) for t in range(7, TOKENS.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-9, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["full", "block"])
 def test_chunked_prefill_equals_unchunked(variant):
     model = make(variant)
-    whole = model.new_inference_cache(2, torch.device("cpu"), torch.float64)
-    chunked = model.new_inference_cache(2, torch.device("cpu"), torch.float64)
+    whole = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
+    chunked = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
     last_whole = prefill(model, TOKENS, whole)
     last_chunked = prefill(model, TOKENS, chunked, chunk=5)
-    torch.testing.assert_close(last_chunked[:, -1], last_whole[:, -1], atol=1e-9, rtol=0)
+    torch.testing.assert_close(last_chunked[:, -1], last_whole[:, -1], atol=2e-5, rtol=0)
     # The caches continue identically.
     nxt = TOKENS[:, :1]
-    torch.testing.assert_close(model(nxt, cache=chunked), model(nxt, cache=whole), atol=1e-9, rtol=0)
+    torch.testing.assert_close(model(nxt, cache=chunked), model(nxt, cache=whole), atol=2e-5, rtol=0)
 
 
 def test_greedy_generation_continues_with_the_argmax_of_the_full_forward():
