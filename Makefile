@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train bench clean
+.PHONY: setup test train compare bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,17 @@ train: setup
 	$(PY) -m trainer.check --nproc $(NPROC) run.dir=$(RUN_DIR) $(LAYOUT) $(ARGS)
 	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		-m trainer.main run.dir=$(RUN_DIR) $(LAYOUT) $(ARGS)
+
+# `make compare`: baseline vs Full vs Block AttnRes at model=xs (experiment quick, about 10 minutes on
+# 2 cores) -> reports/quick/report.md. EXPERIMENT=cpu_repro|ablations|scaling for the other grids;
+# ARGS for overrides, e.g. make compare ARGS="seeds=[0,1,2]". Finished runs are skipped, others resume.
+# One thread by default: on a shared 2-core machine two OpenMP threads spin at their barriers whenever
+# other work holds a core (single steps 30x slower, measured); COMPARE_THREADS=2 on an idle machine.
+EXPERIMENT ?= quick
+COMPARE_THREADS ?= 1
+
+compare: setup
+	OMP_NUM_THREADS=$(COMPARE_THREADS) $(PY) -m scripts.compare experiment=$(EXPERIMENT) $(ARGS)
 
 bench: setup
 	$(PY) -m scripts.bench_step

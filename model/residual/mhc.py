@@ -1,9 +1,9 @@
 """mHC: manifold-constrained Hyper-Connections, the paper's strongest prior baseline (Table 4).
 
 m parallel residual streams H (m, B, T, d). Before sublayer l, from x = rmsnorm(mean_j H_j):
-    alpha = alpha_0 + P_a x          (m,)    width connection: the sublayer reads h = sum_j alpha_j H_j
-    beta  = beta_0  + P_b x          (m,)    depth connection: the output v is added to stream k as beta_k v
-    A     = sinkhorn(A_0 + P_A x)    (m, m)  stream mixing, doubly stochastic
+    alpha = alpha_0 + g_a tanh(P_a x)          (m,)    width connection: the sublayer reads h = sum_j alpha_j H_j
+    beta  = beta_0  + g_b tanh(P_b x)          (m,)    depth connection: output v goes to stream k as beta_k v
+    A     = sinkhorn(A_0 + g_A tanh(P_A x))    (m, m)  stream mixing, doubly stochastic
 and after it H'_k = sum_j A_kj H_j + beta_k v. Every coefficient is per token; the projections P are
 zero-initialised, so at step 0 the connections are the static alpha_0, beta_0, A_0.
 
@@ -27,6 +27,7 @@ from model.residual.base import DepthState, ResidualMixer
 
 SINKHORN_ITERATIONS = 20  # the mHC paper's t_max
 MIX_INIT_LOGIT = 1.0      # diagonal of A_0's logits: A_0 has ~0.48 on the diagonal for m = 4
+DYNAMIC_GATE_INIT = 0.01  # scale of the input-dependent parts at init (mHC initialises its gates small)
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -36,12 +37,15 @@ def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 
 def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
     """(..., m, m) logits -> doubly stochastic matrices: exp, then alternate column and row normalisation
-    (in log space, at least fp32). Rows go last, so they sum to 1 to rounding: identical streams stay identical."""
-    log_a = logits.to(at_least_fp32(logits.dtype))
+    (at least fp32). Rows go last and sum to 1 to rounding: identical streams stay identical. Plain
+    division rather than log space: a third of the ops. Logits are shifted by their matrix's maximum
+    (no overflow) and floored 60 below it, so no row or column underflows to all zeros."""
+    logits = logits.to(at_least_fp32(logits.dtype))
+    mix = (logits - logits.amax((-2, -1), keepdim=True)).clamp(min=-60.0).exp()
     for _ in range(iterations):
-        log_a = log_a - log_a.logsumexp(-2, keepdim=True)
-        log_a = log_a - log_a.logsumexp(-1, keepdim=True)
-    return log_a.exp()
+        mix = mix / mix.sum(-2, keepdim=True)
+        mix = mix / mix.sum(-1, keepdim=True)
+    return mix
 
 
 class StreamConnections(nn.Module):
@@ -52,20 +56,26 @@ class StreamConnections(nn.Module):
         self.streams, self.eps = streams, eps
         self.read_bias = nn.Parameter(F.one_hot(torch.tensor((sublayer - 1) % streams), streams).float())
         self.write_bias = nn.Parameter(torch.ones(streams))
-        self.mix_bias = nn.Parameter(MIX_INIT_LOGIT * torch.eye(streams))
+        # Flat (m*m,): the optimizer treats 1-D parameters as biases (no weight decay pulling A_0 towards
+        # uniform mixing, no Muon orthogonalisation of a 4x4 logit table).
+        self.mix_bias = nn.Parameter(MIX_INIT_LOGIT * torch.eye(streams).flatten())
         self.proj = nn.Linear(d_model, 2 * streams + streams * streams, bias=False)
         nn.init.zeros_(self.proj.weight)
+        # Small learned gates on the tanh-bounded input-dependent parts of alpha, beta and A's logits
+        # (mHC's alpha_pre/post/res): without them the per-token coefficients grew within ~60 steps and
+        # the gradient norm of the whole model went up 10x (xs, lr 3e-3), stalling training.
+        self.gates = nn.Parameter(torch.full((3,), DYNAMIC_GATE_INIT))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (m, B, T, d) -> alpha (B, T, m), beta (B, T, m), A (B, T, m, m)."""
         mean = streams.mean(0)
         # The projection follows the norm, so a norm gain would be redundant: plain rms normalisation.
         dynamic = self.proj(F.rms_norm(mean, (mean.shape[-1],), eps=self.eps))
-        dynamic = dynamic.to(at_least_fp32(dynamic.dtype))
+        dynamic = dynamic.to(at_least_fp32(dynamic.dtype)).tanh()
         m = self.streams
-        alpha = self.read_bias + dynamic[..., :m]
-        beta = self.write_bias + dynamic[..., m:2 * m]
-        mix = sinkhorn(self.mix_bias + dynamic[..., 2 * m:].unflatten(-1, (m, m)))
+        alpha = self.read_bias + self.gates[0] * dynamic[..., :m]
+        beta = self.write_bias + self.gates[1] * dynamic[..., m:2 * m]
+        mix = sinkhorn((self.mix_bias + self.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
         return alpha, beta, mix
 
 

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group
@@ -53,6 +54,7 @@ def magnitudes(groups: list[Group], size: str, path: Path) -> Path | None:
     out_ax.set(xlabel="sublayer (odd: attention, even: MLP)", ylabel="output RMS", yscale="log",
                title=f"{size}: output magnitude")
     grad_ax.set(xlabel="transformer block", ylabel="gradient RMS", yscale="log", title=f"{size}: gradient magnitude")
+    grad_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (out_ax, grad_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -87,7 +89,7 @@ def depth_heatmaps(group: Group, path: Path) -> dict[str, float] | None:
         matrix = depth_matrix(weights, rows)
         image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
         entropies = [entropy(list(weights[row].values())) for row in rows]
-        ax.set_yticks(range(len(rows)), [("final" if row == final else f"l={row}") + f"  H={h:.2f}"
+        ax.set_yticks(range(len(rows)), [("final" if row == final else f"l={row}") + f"  H={abs(h):.2f}"
                                          for row, h in zip(rows, entropies)], fontsize=7)
         ax.set(xlabel="source index (Full: v_i; Block: b_n, last = partial sum)", title=f"{group.variant}: {title}")
         fig.colorbar(image, ax=ax, label="alpha")
@@ -112,7 +114,7 @@ def layer_importance(groups: list[Group], path: Path) -> Path | None:
     with_weights = [(g, w) for g, w in with_weights if w]
     if not with_weights:
         return None
-    fig, axes = new_figure(len(with_weights), width=4.5, height=3.5)
+    fig, axes = new_figure(len(with_weights), width=4.5, height=3.5, columns=3)
     for ax, (group, weights) in zip(axes, with_weights):
         scores = importance(weights)
         ax.bar(list(scores), list(scores.values()))

@@ -9,9 +9,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 
 
-def new_figure(panels: int = 1, width: float = 6.0, height: float = 4.0):
-    fig, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
-    return fig, list(axes[0])
+def new_figure(panels: int = 1, width: float = 6.0, height: float = 4.0, columns: int | None = None):
+    """A figure of `panels` axes of width x height inches each, `columns` per row (default: one row)."""
+    columns = min(columns or panels, panels)
+    rows = -(-panels // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    axes = list(axes.flat)
+    for unused in axes[panels:]:
+        unused.set_visible(False)
+    return fig, axes[:panels]
 
 
 def save(fig, path: Path) -> Path:

@@ -16,6 +16,7 @@ from model.residual.mhc import MIX_INIT_LOGIT, StreamConnections, sinkhorn
 from parallel.dims import init_distributed
 from test_residual import sublayer_fns, tokens
 from trainer.config import ConfigError, load_config
+from trainer.optim import split_parameters
 from trainer.trainer import Trainer
 
 
@@ -36,7 +37,7 @@ def baseline_pair(force_identity_mixing: bool):
     if force_identity_mixing:
         with torch.no_grad():
             for conn in connections(mhc):
-                conn.mix_bias.copy_(1e3 * torch.eye(conn.streams))  # Sinkhorn of this is I exactly
+                conn.mix_bias.copy_(1e3 * torch.eye(conn.streams).flatten())  # Sinkhorn: I to within e^-60
     return mhc, baseline
 
 
@@ -45,8 +46,8 @@ def test_default_init_reduces_to_the_plain_residual_stream(force_identity_mixing
     mhc, baseline = baseline_pair(force_identity_mixing)
     x = tokens()
     if force_identity_mixing:
-        mix = sinkhorn(connections(mhc)[0].mix_bias)
-        assert torch.equal(mix, torch.eye(mhc.cfg.residual.streams, dtype=mix.dtype))
+        mix = sinkhorn(connections(mhc)[0].mix_bias.unflatten(0, (-1, mhc.cfg.residual.streams)))
+        torch.testing.assert_close(mix, torch.eye(mhc.cfg.residual.streams, dtype=mix.dtype), atol=1e-20, rtol=0)
     h = baseline.embed(x)
     for _, f in sublayer_fns(baseline):  # the naive PreNorm loop
         h = h + f(h)
@@ -75,7 +76,7 @@ def naive_mhc_forward(model, x):
         dynamic = x_norm @ conn.proj.weight.T
         alpha = conn.read_bias + dynamic[..., :m]
         beta = conn.write_bias + dynamic[..., m:2 * m]
-        mix = torch.exp(conn.mix_bias + dynamic[..., 2 * m:].unflatten(-1, (m, m)))
+        mix = torch.exp((conn.mix_bias + dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
         for _ in range(20):
             mix = mix / mix.sum(-2, keepdim=True)
             mix = mix / mix.sum(-1, keepdim=True)
@@ -103,6 +104,13 @@ def test_every_mhc_parameter_gets_a_gradient():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in named.values())
     for kind in ("read_bias", "write_bias", "mix_bias", "proj.weight"):
         assert sum(p.grad.abs().sum() for n, p in named.items() if n.endswith(kind)) > 0, kind
+
+
+def test_connection_biases_get_no_weight_decay_nor_muon():
+    model = make("variant=mhc")
+    muon, decay, no_decay = split_parameters(model, use_muon=True)
+    biases = [p for n, p in model.named_parameters() if n.endswith(("read_bias", "write_bias", "mix_bias"))]
+    assert biases and all(any(p is q for q in no_decay) for p in biases)
 
 
 def test_trains_under_the_trainer(tmp_path, tiny_dataset):
