@@ -157,7 +157,7 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         log.print(f"run {self.run_dir}: model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks "
-                  f"({n_params / 1e6:.1f}M params), variant={cfg.model.residual.variant}, "
+                  f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
                   f"world={info.world_size} ({info.backend or 'single process'}, {info.device}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
 
