@@ -5,7 +5,8 @@ m parallel residual streams H (m, B, T, d). Before sublayer l, from x = rmsnorm(
     beta  = beta_0  + g_b tanh(P_b x)          (m,)    depth connection: output v goes to stream k as beta_k v
     A     = sinkhorn(A_0 + g_A tanh(P_A x))    (m, m)  stream mixing, doubly stochastic
 and after it H'_k = sum_j A_kj H_j + beta_k v. Every coefficient is per token; the projections P are
-zero-initialised, so at step 0 the connections are the static alpha_0, beta_0, A_0.
+zero-initialised, so at step 0 the connections are the static alpha_0, beta_0, A_0; the gates g start
+at 0.01 (mHC's small alpha_pre/post/res).
 
 Initialisation (Hyper-Connections' rule): the embedding is copied into every stream, alpha_0 is the
 one-hot e_{(l-1) mod m}, beta_0 is all ones. The streams then stay identical and sublayer l reads
@@ -13,9 +14,10 @@ exactly the PreNorm running sum, whatever A is (its rows sum to 1), so the defau
 baseline; the one-hot reads give the streams different gradients, which is what lets them diverge.
 A_0 leans towards the identity (HC starts from A = I) but stays inside the polytope: sharper
 diagonals slow Sinkhorn's geometric convergence (at a diagonal logit of 3, 20 iterations leave column
-sums off by ~1e-4). The final hidden state is the mean of the streams. As in HC/mHC, alpha
-and beta are unconstrained (the mHC paper's sigmoid gates cannot express the one-hot init);
-only A carries the manifold constraint, which keeps the stream mean a plain residual recurrence.
+sums off by ~1e-4). The final hidden state is the mean of the streams. As in HC, alpha and beta are
+unconstrained apart from the tanh bound on their input-dependent parts (mHC's sigmoids cannot express
+the one-hot init); only A carries the manifold constraint, which keeps the stream mean a plain
+residual recurrence.
 """
 from __future__ import annotations
 
@@ -89,7 +91,9 @@ class HyperConnectionResidual(ResidualMixer):
 
     def make_read(self, sublayer: int) -> StreamConnections | None:
         # The final read is the parameter-free stream mean.
-        return StreamConnections(self.d_model, self.streams, sublayer, self.eps) if sublayer <= self.n_sublayers else None
+        if sublayer > self.n_sublayers:
+            return None
+        return StreamConnections(self.d_model, self.streams, sublayer, self.eps)
 
     def start(self, embedding: torch.Tensor) -> DepthState:
         return DepthState(blocks=[], partial=embedding.unsqueeze(0).expand(self.streams, *embedding.shape))

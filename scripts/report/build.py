@@ -29,8 +29,10 @@ def ordering(rows: list[Row]) -> list[str]:
         ranked = sorted((r for r in rows if r.group.size == size and r.loss is not None), key=lambda r: r.loss)
         if len(ranked) < 2:
             continue
-        lines.append(f"- **{size}**, lowest loss first: " + " < ".join(f"{r.group.variant} {r.loss:.4f}" for r in ranked))
-        lines += [f"  - {r.group.variant} vs baseline: {r.diff:+.4f}, {r.verdict}" for r in ranked if r.diff is not None]
+        lines.append(f"- **{size}**, lowest loss first: "
+                     + " < ".join(f"{r.group.variant} {r.loss:.4f}" for r in ranked))
+        lines += [f"  - {r.group.variant} vs baseline: {r.diff:+.4f}, {r.verdict}"
+                  for r in ranked if r.diff is not None]
     return lines
 
 

@@ -66,17 +66,18 @@ def test_sinkhorn_output_is_doubly_stochastic():
 
 
 def naive_mhc_forward(model, x):
-    """H_l = A_l H_{l-1} + beta_l v_l with per-token alpha, beta, A computed here from the definition."""
+    """H_l = A_l H_{l-1} + beta_l v_l with per-token alpha, beta, A computed here from the definition
+    (Sinkhorn: exp, then 20 rounds of column and row normalisation)."""
     m = model.cfg.residual.streams
     e = model.embed(x)
     streams = [e] * m
     for conn, f in sublayer_fns(model):
         mean = sum(streams) / m
         x_norm = mean / mean.pow(2).mean(-1, keepdim=True).add(conn.eps).sqrt()
-        dynamic = x_norm @ conn.proj.weight.T
-        alpha = conn.read_bias + dynamic[..., :m]
-        beta = conn.write_bias + dynamic[..., m:2 * m]
-        mix = torch.exp((conn.mix_bias + dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
+        dynamic = torch.tanh(x_norm @ conn.proj.weight.T)
+        alpha = conn.read_bias + conn.gates[0] * dynamic[..., :m]
+        beta = conn.write_bias + conn.gates[1] * dynamic[..., m:2 * m]
+        mix = torch.exp((conn.mix_bias + conn.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
         for _ in range(20):
             mix = mix / mix.sum(-2, keepdim=True)
             mix = mix / mix.sum(-1, keepdim=True)
@@ -98,18 +99,21 @@ def test_matches_naive_definition_with_random_connections():
 
 def test_every_mhc_parameter_gets_a_gradient():
     model = make("variant=mhc")
+    with torch.no_grad():  # as after a first step: with P = 0 exactly, tanh(P x) = 0 leaves the gates no gradient
+        for conn in connections(model):
+            conn.proj.weight.normal_(std=0.01)
     model(tokens()).logsumexp(-1).mean().backward()
     named = {n: p for n, p in model.named_parameters() if "_res." in n}
-    assert len(named) == 4 * model.cfg.n_sublayers  # read/write/mix biases and the projection per sublayer
+    assert len(named) == 5 * model.cfg.n_sublayers  # read/write/mix biases, gates and projection per sublayer
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in named.values())
-    for kind in ("read_bias", "write_bias", "mix_bias", "proj.weight"):
+    for kind in ("read_bias", "write_bias", "mix_bias", "gates", "proj.weight"):
         assert sum(p.grad.abs().sum() for n, p in named.items() if n.endswith(kind)) > 0, kind
 
 
-def test_connection_biases_get_no_weight_decay_nor_muon():
+def test_connection_biases_and_gates_get_no_weight_decay_nor_muon():
     model = make("variant=mhc")
     muon, decay, no_decay = split_parameters(model, use_muon=True)
-    biases = [p for n, p in model.named_parameters() if n.endswith(("read_bias", "write_bias", "mix_bias"))]
+    biases = [p for n, p in model.named_parameters() if n.endswith(("read_bias", "write_bias", "mix_bias", "gates"))]
     assert biases and all(any(p is q for q in no_decay) for p in biases)
 
 
