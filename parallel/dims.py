@@ -43,21 +43,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks (a no-op in a single process)."""
-    if dist.is_initialized():
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return value
-
-
-def all_reduce_sum_(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

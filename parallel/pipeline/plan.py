@@ -43,9 +43,6 @@ class PipelinePlan:
         starts = [sum(sizes[:c]) for c in range(self.n_chunks)]
         self.chunk_blocks = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
 
-    def rank_of(self, chunk: int) -> int:
-        return chunk % self.pp
-
     def chunks_of(self, rank: int) -> list[int]:
         return [rank + v * self.pp for v in range(self.vp)]
 
