@@ -14,6 +14,17 @@ from model.config import ModelConfig
 from model.mlp import SwiGLU
 
 
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert: rows (M, d) with counts (E,) summing to M and weight
+    stacks (E, d, inter), (E, d, inter), (E, inter, d) -> (M, d)."""
+    outputs = []
+    for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
+        h = F.silu(x_e @ w_gate[e]) * (x_e @ w_up[e])  # (n_e, inter)
+        outputs.append(h @ w_down[e])  # (n_e, d)
+    return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.shape[-1])
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,11 +76,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.n_experts)  # (E,)
         x_sorted = x_flat[token_of]  # (N*k, d)
 
-        outputs = []
-        for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
-            h = F.silu(x_e @ self.w_gate[e]) * (x_e @ self.w_up[e])  # (n_e, inter)
-            outputs.append(h @ self.w_down[e])  # (n_e, d)
-        y_sorted = torch.cat(outputs) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)  # (N*k, d)
+        y_sorted = self.run_experts(x_sorted, counts) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)  # (N*k, d)
         y = torch.zeros_like(x_flat).index_add_(0, token_of, y_sorted)  # (N, d)
 
         if self.shared is not None:
@@ -78,6 +85,11 @@ class MoE(nn.Module):
             self.load_counts += counts
         self.aux_loss = self._sequence_balance_loss(expert_ids, scores, B, T)
         return y.view(B, T, d)
+
+    def run_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Assignments sorted by expert (N*k, d), counts (E,) per expert -> expert outputs (N*k, d).
+        The seam expert parallelism replaces: it sends each slice to the rank that holds its expert."""
+        return grouped_swiglu(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
 
     def _sequence_balance_loss(self, expert_ids: torch.Tensor, scores: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """DeepSeek-V3 complementary sequence-wise balance loss, per sequence then averaged over the batch:

@@ -50,22 +50,36 @@ def shutdown() -> None:
 
 @dataclass
 class Layout:
-    """Where this rank sits in the dp x pp mesh, and the groups it talks to."""
-    dp: int
-    pp: int
-    dp_rank: int
-    pp_rank: int
-    dp_group: object | None
-    pp_group: object | None
+    """Where this rank sits in the (dp, pp, tp) mesh, and the groups it talks to.
+
+    Expert parallelism splits each dp group into ep-sized groups that share one copy of the routed
+    experts (`ep_group`); `expert_dp_group` links the ranks holding the same expert shard."""
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_rank: int = 0
+    ep_rank: int = 0
+    dp_group: object | None = None
+    pp_group: object | None = None
+    tp_group: object | None = None
+    ep_group: object | None = None
+    expert_dp_group: object | None = None
+    mesh: object | None = None  # DeviceMesh (dp_rep, ep, pp, tp); checkpoints place shards on it
 
 
-def build_layout(info: DistInfo, dp: int | None, pp: int) -> Layout:
-    """A 2-D (dp, pp) device mesh over all ranks; dp=None takes what pp leaves."""
-    dp = dp if dp is not None else info.world_size // pp
+def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int = 1) -> Layout:
+    """A (dp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
+    neighbours; dp=None takes what pp and tp leave. dp is split as (dp / ep, ep) for the experts."""
+    dp = dp if dp is not None else info.world_size // (pp * tp)
     if info.world_size == 1:
-        return Layout(1, 1, 0, 0, None, None)
+        return Layout()
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(info.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    return Layout(dp, pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"),
-                  mesh.get_group("dp"), mesh.get_group("pp"))
+    mesh = init_device_mesh(info.device.type, (dp // ep, ep, pp, tp), mesh_dim_names=("dp_rep", "ep", "pp", "tp"))
+    dp_mesh = mesh["dp_rep", "ep"]._flatten("dp")
+    return Layout(dp, pp, tp, ep, dp_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
+                  mesh.get_local_rank("ep"), dp_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
+                  mesh.get_group("ep"), mesh.get_group("dp_rep"), mesh)

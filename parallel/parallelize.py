@@ -2,9 +2,11 @@
 
 An engine runs one step's forward and backward over this rank's micro-batches, evaluates, clips
 gradients and keeps MoE balancing consistent, whatever the layout: DDP when pp == 1, the pipeline
-schedule (with the cross-stage block cache) when pp > 1. `engine.model` is this rank's Decoder (all
-of it, or the parts its pipeline chunks run): the optimizer and checkpoints use it, and its parameter
-names are the single-process names in every layout.
+schedule (with the cross-stage block cache) when pp > 1; tensor + sequence parallelism (tp) and expert
+parallelism (ep) shard the model first. `engine.model` is this rank's Decoder (all of it, or the
+parts its pipeline chunks run, with its tp/ep slices): the optimizer and checkpoints use it, its
+parameter names are the single-process names in every layout, and `engine.shards` says which
+parameters are slices of larger ones.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.decoder import Decoder
 from parallel.dims import DistInfo, Layout
+from parallel.expert import apply_expert_parallel, expert_param_names
+from parallel.tensor import Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -30,27 +34,61 @@ def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return value
 
 
+def shard_model(model: Decoder, layout: Layout) -> Shards:
+    """Split the model in place for tp and ep (no-ops when both are 1)."""
+    shards = Shards(mesh=layout.mesh)
+    apply_tensor_parallel(model, layout, shards)
+    apply_expert_parallel(model, layout, shards)
+    return shards
+
+
+def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged: bool) -> None:
+    """After backward: complete the partial sums over tp, then average over the data-parallel ranks
+    (over dp for shared parameters unless DDP already did, over the same-expert ranks for experts)."""
+    reduce_replicated_grads(model, shards, layout.tp_group)
+    experts = set(expert_param_names(shards))
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if name in experts:
+            _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp)
+        elif not dp_averaged:
+            _all_reduce(p.grad, layout.dp_group).div_(layout.dp)
+
+
 class DataParallelEngine:
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout):
         self.info, self.layout = info, layout
+        self.shards = shard_model(model, layout)
         self.model = model.to(info.device)
         self.wrapped = model
-        if info.world_size > 1:
+        if layout.dp > 1:
             device_ids = [info.device.index] if info.device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=layout.dp_group)
+            # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
+            # forward: the MoE bias moves the same way everywhere, and syncing would overwrite the
+            # per-rank expert load counts between micro-batches.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(self.shards))
+            self.wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=layout.dp_group,
+                                                   forward_sync_buffers=False)
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
+        """Mean loss of the step over all tokens of all ranks. Under tp every rank runs its slice of
+        the sequence; the loss is scaled by 1/tp so the summed gradients are the full-sequence mean."""
         total = torch.zeros((), device=self.info.device)
+        tp = self.layout.tp
         for index, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             last = index == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
                 with autocast():
                     logits = self.wrapped(inputs, diagnostics=diagnostics if index == 0 else None)
                 loss = cross_entropy(logits, targets)
-                ((loss + self.model.aux_loss().to(loss.device)) / len(micro_batches)).backward()
+                ((loss + self.model.aux_loss().to(loss.device)) / (len(micro_batches) * tp)).backward()
             total += loss.detach()
-        return _all_reduce(total / len(micro_batches), self.layout.dp_group) / self.layout.dp
+        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.wrapped is not self.model)
+        total = _all_reduce(total / (len(micro_batches) * tp), self.layout.tp_group)
+        return _all_reduce(total, self.layout.dp_group) / self.layout.dp
 
     @torch.no_grad()
     def evaluate(self, batches, autocast) -> tuple[float, int]:
@@ -60,15 +98,17 @@ class DataParallelEngine:
         for index, (inputs, targets) in enumerate(batches):
             if index % self.layout.dp != self.layout.dp_rank:
                 continue
+            inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             with autocast():
                 logits = self.model(inputs)
             loss_sum += cross_entropy(logits, targets).item() * targets.numel()
             tokens += targets.numel()
         self.model.train()
-        return loss_sum, tokens
+        totals = _all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.layout.tp_group)
+        return totals[0].item(), int(totals[1].item())
 
-    def grad_norm_group(self):
-        return None  # every rank holds every parameter
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, max_norm, self.layout, self.shards)
 
     def comm_report(self) -> dict | None:
         return None
@@ -83,20 +123,24 @@ class PipelineEngine:
         self.info, self.layout = info, layout
         self.plan = PipelinePlan(model.cfg, layout.pp, parallel_cfg.vp, parallel_cfg.pp_cache)
         self.microbatches = microbatches
+        self.shards = shard_model(model, layout)
+        # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
+        tp = layout.tp
         self.runner = PipelineRunner(model.to(info.device), self.plan, layout.pp_rank, layout.pp_group,
-                                     info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len,
-                                     loss_fn=cross_entropy)
+                                     info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len // tp,
+                                     loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp)
         self.model = self.runner.rank_model
 
+    def _local(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.cat([i for i, _ in batches])
+        targets = torch.cat([t for _, t in batches])
+        return local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
+
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
-        inputs = torch.cat([i for i, _ in micro_batches])
-        targets = torch.cat([t for _, t in micro_batches])
         with autocast():
-            loss = self.runner.step(inputs, targets)
-        for p in self.model.parameters():  # average over data-parallel replicas of this stage
-            if p.grad is not None:
-                _all_reduce(p.grad, self.layout.dp_group).div_(self.layout.dp)
-        return _all_reduce(loss, self.layout.dp_group) / self.layout.dp
+            loss = self.runner.step(*self._local(micro_batches))
+        finish_gradients(self.model, self.layout, self.shards, dp_averaged=False)
+        return _all_reduce(_all_reduce(loss, self.layout.tp_group), self.layout.dp_group) / self.layout.dp
 
     @torch.no_grad()
     def evaluate(self, batches, autocast) -> tuple[float, int]:
@@ -109,15 +153,16 @@ class PipelineEngine:
         for index, group in enumerate(groups):
             if index % self.layout.dp != self.layout.dp_rank:
                 continue
-            inputs, targets = torch.cat([i for i, _ in group]), torch.cat([t for _, t in group])
             with autocast():
-                loss_sum += self.runner.eval(inputs, targets).item() * targets.numel()
-            tokens += targets.numel()
+                loss = _all_reduce(self.runner.eval(*self._local(group)), self.layout.tp_group)
+            count = sum(t.numel() for _, t in group)
+            loss_sum += loss.item() * count
+            tokens += count
         self.model.train()
         return loss_sum, tokens
 
-    def grad_norm_group(self):
-        return self.layout.pp_group  # stages hold disjoint parameters
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, max_norm, self.layout, self.shards)
 
     def comm_report(self) -> dict:
         """The planned message layout (vectors per token per transition) and the bytes per token the
@@ -137,11 +182,19 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches)
 
 
-def clip_grad_norm(model: Decoder, max_norm: float, group) -> float:
-    """Global gradient norm over all ranks that hold different parameters (the pipeline group), then clip."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    norm = math.sqrt(_all_reduce(local, group).item())
+def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:
+    """Norm of the whole model's gradient, then clip: slices are summed over the group that splits
+    them (tp or ep), and the stages' disjoint parameters over the pipeline group."""
+    device = next(model.parameters()).device
+    squares = {kind: torch.zeros((), device=device) for kind in ("tp", "ep", None)}
+    grads = []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads.append(p.grad)
+            squares[shards.kind(name)] += p.grad.detach().float().pow(2).sum()
+    local = (squares[None] + _all_reduce(squares["tp"], layout.tp_group)
+             + _all_reduce(squares["ep"], layout.ep_group))
+    norm = math.sqrt(_all_reduce(local, layout.pp_group).item())
     if math.isfinite(norm) and norm > max_norm:
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
@@ -149,8 +202,9 @@ def clip_grad_norm(model: Decoder, max_norm: float, group) -> float:
 
 
 @torch.no_grad()
-def sync_moe_load(model: Decoder, group) -> None:
-    """Sum expert load over data-parallel ranks so every rank nudges its balancing bias the same way."""
+def sync_moe_load(model: Decoder, layout: Layout) -> None:
+    """Sum expert load over the ranks that routed different tokens (dp, and tp's sequence slices) so
+    every rank nudges its balancing bias the same way."""
     for moe in model.moe_layers():
-        _all_reduce(moe.load_counts, group)
+        _all_reduce(_all_reduce(moe.load_counts, layout.dp_group), layout.tp_group)
 

@@ -59,12 +59,14 @@ def load_experiment(name_or_path: str, overrides: list[str] = ()) -> Experiment:
     spec = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(tool))
     name = path.stem
     runs_dir = Path(spec.get("runs_dir") or f"runs/{name}")
+    # Seed-major order: an experiment stopped part-way holds complete comparisons for its first seeds.
+    pairs = [(run, seed) for run in spec.runs for seed in run.get("seeds") or spec.seeds]
+    ordered_seeds = sorted({seed for _, seed in pairs}, key=[seed for _, seed in pairs].index)
     planned = []
-    for run in spec.runs:
-        for seed in run.get("seeds") or spec.seeds:
-            run_name = f"{run.name}-s{seed}"
-            run_dir = runs_dir / run_name
-            planned.append(PlannedRun(run_name, run_dir, [
-                *spec.get("shared", []), *run.overrides, *trainer_overrides,
-                f"seed={seed}", f"run.dir={run_dir}", "resume=auto"]))
+    for run, seed in sorted(pairs, key=lambda pair: ordered_seeds.index(pair[1])):
+        run_name = f"{run.name}-s{seed}"
+        run_dir = runs_dir / run_name
+        planned.append(PlannedRun(run_name, run_dir, [
+            *spec.get("shared", []), *run.overrides, *trainer_overrides,
+            f"seed={seed}", f"run.dir={run_dir}", "resume=auto"]))
     return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned)

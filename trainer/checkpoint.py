@@ -80,14 +80,17 @@ def _refuse_non_finite(model: nn.Module, step: int) -> None:
                               "the previous checkpoints are kept")
 
 
-def _dcp_state(model: nn.Module, optimizers: list, scheduler) -> dict:
+def _dcp_state(model: nn.Module, optimizers: list, scheduler, shards) -> dict:
     """What DCP saves/loads. get_state_dict names everything by canonical parameter names (no DDP
-    `module.` prefix), so a checkpoint loads with or without DDP and at another world size."""
+    `module.` prefix), so a checkpoint loads with or without DDP and at another world size; `shards`
+    (parallel.tensor.Shards, or None) turns tp/ep slices into whole tensors."""
     if optimizers:
         model_state, optim_state = get_state_dict(model, optimizers)
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model)}
+    if shards is not None:
+        state = shards.to_checkpoint(state)
     if scheduler is not None:
         state["scheduler"] = scheduler  # Stateful: DCP calls its state_dict / load_state_dict
     return state
@@ -112,7 +115,7 @@ def _prune(checkpoints_dir: Path, keep_last: int) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list, scheduler,
-                    extra: dict, meta: dict, keep_last: int) -> Path:
+                    extra: dict, meta: dict, keep_last: int, shards=None) -> Path:
     """Every rank calls this. `extra` is this rank's own state; `meta` (from rank 0) should carry
     model_fingerprint; step, world_size and time are added. Returns the checkpoint directory."""
     _refuse_non_finite(model, step)
@@ -124,7 +127,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
         (tmp / "extra").mkdir(parents=True)
     _barrier()
     with _single_process_is_fine():
-        dcp.save(_dcp_state(model, optimizers, scheduler), checkpoint_id=tmp)
+        dcp.save(_dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
     torch.save(extra, tmp / "extra" / f"rank_{rank}.pt")
     _barrier()
     if rank == 0:
@@ -189,7 +192,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, scheduler, rank: int,
-                    fingerprint: str | None = None) -> tuple[dict, dict]:
+                    fingerprint: str | None = None, shards=None) -> tuple[dict, dict]:
     """Load model, optimizers and scheduler in place; return (this rank's extra, meta).
 
     Pass optimizers=[] and scheduler=None to load the model only. With `fingerprint`, a checkpoint of
@@ -203,12 +206,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
     extra_file = path / "extra" / f"rank_{rank}.pt"
     if not extra_file.is_file():
         extra_file = path / "extra" / "rank_0.pt"
-    state = _dcp_state(model, optimizers, scheduler)
+    state = _dcp_state(model, optimizers, scheduler, shards)
     try:
         with _single_process_is_fine():
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be read ({_one_line(error)})") from error
+    if shards is not None:
+        state = shards.from_checkpoint(state)
     if optimizers:
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:

@@ -84,6 +84,8 @@ class ParallelConfig:
     vp: int = 1                       # virtual stages (chunks) per pipeline rank
     schedule: str = "interleaved_1f1b"
     pp_cache: bool = True             # cross-stage caching of block representations
+    tp: int = 1                       # tensor + sequence parallel ranks (heads, MLP channels, sequence)
+    ep: int = 1                       # expert-parallel ranks, carved out of dp: routed experts split ep ways
 
 
 @dataclass
@@ -172,6 +174,25 @@ def validate(cfg: Config) -> Config:
     p = cfg.parallel
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
+    for key, value in (("parallel.tp", p.tp), ("parallel.ep", p.ep)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be a positive number of ranks")
+    if p.tp > 1:
+        for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter),
+                           ("train.seq_len", t.seq_len)):
+            if value % p.tp:
+                raise ConfigError(f"{key}={value} must be divisible by parallel.tp={p.tp} (heads, channels and "
+                                  "the sequence are split tp ways)")
+        if cfg.optim.name == "muon":
+            raise ConfigError("optim=muon with parallel.tp > 1 is not supported: Muon orthogonalises whole matrices "
+                              "and tp ranks hold slices; use optim=adamw")
+        if r.variant == "mhc":
+            raise ConfigError("variant=mhc is not supported with parallel.tp > 1; use baseline, full or block")
+        if m.moe.aux_loss_coef:
+            raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
+                              "whole sequences and is not supported with parallel.tp > 1; set it to 0")
+    if m.moe.n_routed_experts % p.ep:
+        raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise ConfigError(f"parallel.schedule={p.schedule} runs one stage per rank; parallel.vp={p.vp} needs "
                           "interleaved_1f1b")
@@ -199,10 +220,13 @@ def validate(cfg: Config) -> Config:
 def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     """Check the parallel layout against the processes started; returns (dp, microbatches per step)."""
     p, t = cfg.parallel, cfg.train
-    dp = p.dp if p.dp is not None else max(1, world_size // p.pp)
-    if dp * p.pp != world_size:
-        raise ConfigError(f"parallel.dp * parallel.pp = {dp} * {p.pp} = {dp * p.pp} does not match the "
-                          f"{world_size} processes started (torchrun --nproc-per-node x --nnodes)")
+    dp = p.dp if p.dp is not None else max(1, world_size // (p.pp * p.tp))
+    if dp * p.pp * p.tp != world_size:
+        raise ConfigError(f"parallel.dp * parallel.pp * parallel.tp = {dp} * {p.pp} * {p.tp} = {dp * p.pp * p.tp} "
+                          f"does not match the {world_size} processes started (torchrun --nproc-per-node x --nnodes)")
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size dp={dp}: expert-parallel groups "
+                          "are carved out of the data-parallel ranks")
     if t.global_batch % (t.micro_batch * dp):
         raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of "
                           f"train.micro_batch * dp = {t.micro_batch} * {dp}")

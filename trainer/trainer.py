@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from model import build_model
 from parallel.dims import DistInfo, build_layout, barrier
-from parallel.parallelize import build_engine, clip_grad_norm, sync_moe_load
+from parallel.parallelize import build_engine, sync_moe_load
 from trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint,
                                 resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, validate_layout
@@ -50,7 +50,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir).resolve()
         train, parallel = cfg.train, cfg.parallel
         _, self.accumulation = validate_layout(cfg, info.world_size)
-        self.layout = build_layout(info, parallel.dp, parallel.pp)
+        self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep)
         self._check_resume_target()
         self._open_data()
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every layout
@@ -101,7 +101,7 @@ class Trainer:
             return None
         optimizers = self.optimizer.optimizers
         extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
-                                   fingerprint=self.fingerprint)
+                                   fingerprint=self.fingerprint, shards=self.engine.shards)
         self.step = extra["step"]
         self.skipped_steps = extra.get("skipped_steps", 0)
         self.sampler.load_state_dict(extra["sampler"])
@@ -188,7 +188,9 @@ class Trainer:
         cfg, train = self.cfg, self.cfg.train
         start = time.perf_counter()
         windows = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
-        diagnostics = {} if (self.step + 1) % train.diag_every == 0 and self.layout.pp == 1 else None
+        # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
+        whole_model = self.layout.pp == 1 and self.layout.tp == 1
+        diagnostics = {} if (self.step + 1) % train.diag_every == 0 and whole_model else None
         micro_batches = []
         for micro in range(self.accumulation):
             chunk = windows[micro * train.micro_batch:(micro + 1) * train.micro_batch]
@@ -201,8 +203,8 @@ class Trainer:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
-        grad_norm = clip_grad_norm(self.model, train.grad_clip, self.engine.grad_norm_group())
-        sync_moe_load(self.model, self.layout.dp_group)
+        grad_norm = self.engine.clip_grad_norm(train.grad_clip)
+        sync_moe_load(self.model, self.layout)
         imbalance = self._moe_imbalance(self.model)
         if diagnostics is not None:
             diagnostics = self._diagnostics(self.model, diagnostics)
@@ -266,7 +268,7 @@ class Trainer:
                  "skipped_steps": self.skipped_steps}
         meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg)}
         return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer.optimizers,
-                               self.scheduler, extra, meta, self.cfg.train.keep_last)
+                               self.scheduler, extra, meta, self.cfg.train.keep_last, self.engine.shards)
 
 
 KNOWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError)

@@ -1,0 +1,170 @@
+"""Tensor + sequence parallelism (Megatron style) on plain tensors.
+
+Within a tp group every rank holds the residual stream of T/tp tokens (sequence parallel): the
+embedding, the norms, the depth reads and every stored block representation b_n are local to the
+rank's slice of the sequence, so each rank stores N*T/tp*d block elements. The token mixers and the
+dense MLP are the tensor-parallel regions: their input is all-gathered along the sequence, they run
+on H/tp heads (inter/tp channels) with column-parallel input projections and a row-parallel output
+projection, and their partial output is reduce-scattered back onto the sequence slices, where the
+depth merge and the partial-sum update are local. The MoE runs on the rank's own tokens.
+
+Parameters stay plain tensors. A sharded one holds its slice (its heads); a replicated one holds a
+full copy whose gradient is a partial sum over the group (each rank saw other tokens or other heads),
+which `Shards.reduce_replicated_grads` completes. The collectives are torch's autograd-aware
+functional collectives: gather forward = reduce-scatter backward and vice versa.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+
+from model.decoder import Decoder
+from model.kda import KimiDeltaAttention
+from model.mla import MultiHeadLatentAttention
+from model.mlp import SwiGLU
+from parallel.dims import Layout
+
+
+@dataclass
+class Shards:
+    """Which parameters are split across ranks: name -> (dim, mesh dimension "tp" or "ep")."""
+    dims: dict[str, tuple[int, str]] = field(default_factory=dict)
+    mesh: object | None = None  # the layout's DeviceMesh; checkpoints place the slices on it
+
+    def add(self, module: nn.Module, prefix: str, name: str, dim: int, kind: str, rank: int, size: int) -> None:
+        """Replace module.<name> by this rank's slice along dim."""
+        param = getattr(module, name)
+        if param.shape[dim] % size:
+            raise ValueError(f"{prefix}{name} has {param.shape[dim]} rows along dim {dim}, not divisible by {kind}={size}")
+        setattr(module, name, nn.Parameter(param.detach().chunk(size, dim)[rank].clone()))
+        self.dims[prefix + name] = (dim, kind)
+
+    def kind(self, name: str) -> str | None:
+        return self.dims[name][1] if name in self.dims else None
+
+    def to_checkpoint(self, state: dict) -> dict:
+        """Wrap the slices in a {"model": ..., "optim": ...} state (parameters and their optimizer
+        moments) as DTensors, so DCP saves whole tensors that load into any tp/ep layout."""
+        if not self.dims:
+            return state
+        from torch.distributed.tensor import DTensor, Shard
+
+        def place(name: str, value):
+            if name not in self.dims or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                return value
+            dim, kind = self.dims[name]
+            return DTensor.from_local(value, self.mesh[kind], [Shard(dim)], run_check=False)
+
+        state["model"] = {name: place(name, value) for name, value in state["model"].items()}
+        if "optim" in state:
+            state["optim"]["state"] = {name: {key: place(name, value) for key, value in moments.items()}
+                                       for name, moments in state["optim"]["state"].items()}
+        return state
+
+    def from_checkpoint(self, state: dict) -> dict:
+        """Undo to_checkpoint after DCP has loaded into the DTensors: back to this rank's slices."""
+        if not self.dims:
+            return state
+        from torch.distributed.tensor import DTensor
+
+        def local(value):
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        state["model"] = {name: local(value) for name, value in state["model"].items()}
+        if "optim" in state:
+            state["optim"]["state"] = {name: {key: local(value) for key, value in moments.items()}
+                                       for name, moments in state["optim"]["state"].items()}
+        return state
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...); backward reduce-scatters the gradient."""
+    return funcol.all_gather_single_autograd(x.contiguous(), 1, group)
+
+
+def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums (B, T, ...) -> this rank's summed slice (B, T/tp, ...); backward all-gathers."""
+    return funcol.reduce_scatter_single_autograd(x.contiguous(), "sum", 1, group)
+
+
+def local_sequence(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's slice of the sequence dimension (dim 1) of a full-sequence tensor."""
+    return x.chunk(layout.tp, dim=1)[layout.tp_rank] if layout.tp > 1 else x
+
+
+def _region(module: nn.Module, group) -> None:
+    """Make `module` a tensor-parallel region: full sequence in, reduce-scattered partial output out."""
+    module.register_forward_pre_hook(lambda _, args: (gather_sequence(args[0], group), *args[1:]))
+    module.register_forward_hook(lambda _, args, output: scatter_sequence(output, group))
+
+
+def _shard_linear(shards: Shards, linear: nn.Linear, prefix: str, dim: int, rank: int, tp: int) -> None:
+    shards.add(linear, prefix, "weight", dim, "tp", rank, tp)
+    if dim == 0 and linear.bias is not None:
+        shards.add(linear, prefix, "bias", 0, "tp", rank, tp)
+    linear.out_features, linear.in_features = linear.weight.shape
+
+
+def _shard_kda(shards: Shards, attn: KimiDeltaAttention, prefix: str, rank: int, tp: int) -> None:
+    # q/k/v, beta, the decay's and the gate's second projections are head-major: split rows by head.
+    for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
+        _shard_linear(shards, getattr(attn, name), f"{prefix}{name}.", 0, rank, tp)
+    _shard_linear(shards, attn.f_proj[1], f"{prefix}f_proj.1.", 0, rank, tp)
+    _shard_linear(shards, attn.g_proj[1], f"{prefix}g_proj.1.", 0, rank, tp)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):  # depthwise: one filter per channel
+        conv = getattr(attn, name)
+        shards.add(conv, f"{prefix}{name}.", "weight", 0, "tp", rank, tp)
+        conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
+    shards.add(attn, prefix, "A_log", 0, "tp", rank, tp)
+    shards.add(attn, prefix, "dt_bias", 0, "tp", rank, tp)
+    _shard_linear(shards, attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
+    attn.n_heads //= tp
+
+
+def _shard_mla(shards: Shards, attn: MultiHeadLatentAttention, prefix: str, rank: int, tp: int) -> None:
+    # The kv latent (kv_a_proj, kv_a_norm) is shared by all heads and stays replicated.
+    _shard_linear(shards, attn.q_proj, f"{prefix}q_proj.", 0, rank, tp)
+    _shard_linear(shards, attn.kv_b_proj, f"{prefix}kv_b_proj.", 0, rank, tp)
+    _shard_linear(shards, attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
+    attn.n_heads //= tp
+
+
+def _shard_swiglu(shards: Shards, mlp: SwiGLU, prefix: str, rank: int, tp: int) -> None:
+    _shard_linear(shards, mlp.gate_proj, f"{prefix}gate_proj.", 0, rank, tp)
+    _shard_linear(shards, mlp.up_proj, f"{prefix}up_proj.", 0, rank, tp)
+    _shard_linear(shards, mlp.down_proj, f"{prefix}down_proj.", 1, rank, tp)
+
+
+def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> None:
+    """Split the token mixers and dense MLPs of `model` (in place) over the tp group."""
+    if layout.tp == 1:
+        return
+    rank, tp, group = layout.tp_rank, layout.tp, layout.tp_group
+    for key, block in model.layers.items():
+        prefix = f"layers.{key}."
+        if isinstance(block.attn, KimiDeltaAttention):
+            _shard_kda(shards, block.attn, prefix + "attn.", rank, tp)
+        else:
+            _shard_mla(shards, block.attn, prefix + "attn.", rank, tp)
+        _region(block.attn, group)
+        if isinstance(block.mlp, SwiGLU):
+            _shard_swiglu(shards, block.mlp, prefix + "mlp.", rank, tp)
+            _region(block.mlp, group)
+
+
+def reduce_replicated_grads(model: nn.Module, shards: Shards, group) -> None:
+    """Sum over the tp group the gradients of every parameter not split by tp (coalesced)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    params = [p for name, p in model.named_parameters() if shards.kind(name) != "tp"]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(chunk.view_as(p.grad))

@@ -1,0 +1,98 @@
+"""Tensor + sequence parallelism and expert parallelism: one step equals one process (tp=2, dp=2 x
+ep=2, tp=2 x pp=2, dp=2 x tp=2 x ep=2), each rank stores N*T/tp*d block elements, the trainer trains
+and checkpoints move between these layouts and one process, bad layouts are refused in one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import fast_train_overrides, torchrun
+from parallel.dims import init_distributed
+from trainer.config import ConfigError, load_config, validate_layout
+from trainer.trainer import Trainer
+
+WORKER = Path(__file__).with_name("tp_parity_worker.py")
+
+
+def launch_worker(nproc: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
+    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
+    return cases, control[0]
+
+
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 4), (4, 3)])
+def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
+    cases, control = launch_worker(nproc)
+    assert len(cases) == expected_cases
+    for case in cases:
+        assert case["loss_error"] < 2e-6, case
+        assert case["grad_error"] < 2e-6, case
+        assert case["grad_norm_error"] < 2e-6, case
+        if case["pp"] == 1:  # sequence-sharded block storage: N*T/tp*d per rank
+            assert case["block_elements"] == case["block_elements_formula"], case
+            assert case["block_elements"] * case["tp"] == case["reference_block_elements"], case
+    assert control["grad_error"] > 1e-3, control
+
+
+def losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return ({r["step"]: r["loss"] for r in records if "loss" in r},
+            {r["step"]: r["val_loss"] for r in records if "val_loss" in r})
+
+
+@pytest.mark.parametrize("parallel", ["tp2", "dp2_ep2"])
+def test_checkpoints_move_between_tp_or_ep_and_one_process(tmp_path, tiny_dataset, parallel):
+    """The layout trains like one process (train and validation losses); stopped half-way it resumes
+    in one process, and a single-process checkpoint resumes in the layout, both with the same losses."""
+    straight = tmp_path / "straight"
+    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
+    reference, reference_val = losses(straight)
+
+    layout_first = tmp_path / "layout_first"
+    result = torchrun(fast_train_overrides(layout_first, tiny_dataset, steps=4, parallel=parallel,
+                                           **{"train.stop_after": 3}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    Trainer(load_config(fast_train_overrides(layout_first, tiny_dataset, steps=4)), init_distributed()).fit()
+
+    single_first = tmp_path / "single_first"
+    Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 3})),
+            init_distributed()).fit()
+    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=parallel))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    for run in (layout_first, single_first):
+        train, val = losses(run)
+        assert sorted(train) == [1, 2, 3, 4], run.name
+        for step in train:
+            assert train[step] == pytest.approx(reference[step], rel=1e-5), (run.name, step)
+        assert val[3] == pytest.approx(reference_val[3], rel=1e-5), run.name
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel=tp2", "model=xs", "model.n_heads=3", "model.d_model=96"], "model.n_heads=3 must be divisible by parallel.tp=2"),
+    (["parallel=tp2", "train.seq_len=129"], "train.seq_len=129 must be divisible by parallel.tp=2"),
+    (["parallel=tp2", "optim=muon"], "optim=muon with parallel.tp > 1"),
+    (["parallel=dp2_ep2", "model=xs", "model.moe.n_routed_experts=3", "model.moe.top_k=2"],
+     "model.moe.n_routed_experts=3 must be divisible by parallel.ep=2"),
+])
+def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(overrides)
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["parallel=tp2_pp2"], 2, "parallel.dp * parallel.pp * parallel.tp = 1 * 2 * 2 = 4 does not match the 2"),
+    (["parallel=dp2_ep2", "parallel.dp=1", "parallel.tp=2"], 2, "parallel.ep=2 must divide the data-parallel size dp=1"),
+])
+def test_tp_and_ep_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
+        validate_layout(load_config(overrides), world)

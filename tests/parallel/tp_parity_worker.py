@@ -1,0 +1,112 @@
+"""Run under torchrun (gloo): one training step with tensor/sequence and expert parallelism vs the same
+step in one process. Every rank gathers the slices of the parameters it holds into whole gradients
+and compares them with its own single-process copy; rank 0 prints one JSON line per case.
+
+    torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2
+    torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2
+"""
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from model import build_model
+from parallel.dims import DistInfo, build_layout
+from parallel import parallelize
+from parallel.parallelize import build_engine, cross_entropy
+from trainer.config import ParallelConfig, load_config
+
+MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
+
+CASES = {
+    2: [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": v} for v in ("baseline", "full", "block")]
+       + [{"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "block"}],
+    4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
+       + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"}],
+}
+
+
+def whole(name: str, grad: torch.Tensor, engine) -> torch.Tensor:
+    """The full gradient of a parameter this rank may hold only a slice of."""
+    if name not in engine.shards.dims:
+        return grad
+    dim, kind = engine.shards.dims[name]
+    group = engine.layout.tp_group if kind == "tp" else engine.layout.ep_group
+    parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, grad.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def run_case(case: dict, info: DistInfo) -> dict:
+    cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2"])
+    dp = case["dp"]
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.model.vocab_size, (dp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
+    batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
+
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    losses = [cross_entropy(reference(x), y) for x, y in batches]
+    reference_loss = torch.stack(losses).mean()
+    reference_loss.backward()
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
+    with torch.no_grad():  # block storage of the unsharded model: the sources of the final read
+        state = reference.forward_layers(reference.mixer.start(reference.embed(tokens[:MICRO_BATCH, :-1])))
+        reference_block_elements = sum(b.numel() for b in state.blocks)
+
+    layout = build_layout(info, dp, case["pp"], case["tp"], case["ep"])
+    parallel = ParallelConfig(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1))
+    torch.manual_seed(0)
+    engine = build_engine(build_model(cfg), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
+    mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+    loss = engine.forward_backward(mine, contextlib.nullcontext, None)
+    grad_norm = engine.clip_grad_norm(1e9)
+
+    worst, worst_name = 0.0, ""
+    for name, p in engine.model.named_parameters():
+        error = (whole(name, p.grad, engine) - reference_grads[name]).abs().max().item()
+        if error > worst:
+            worst, worst_name = error, name
+
+    block_elements = -1
+    if case["pp"] == 1:
+        from parallel.tensor import local_sequence
+        with torch.no_grad():
+            local = local_sequence(tokens[:MICRO_BATCH, :-1], layout)
+            state = engine.model.forward_layers(engine.model.mixer.start(engine.model.embed(local)))
+            block_elements = sum(b.numel() for b in state.blocks)
+
+    result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm)])
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
+            "worst_param": worst_name, "grad_norm_error": result[2].item(), "block_elements": block_elements,
+            "reference_block_elements": reference_block_elements,
+            "block_elements_formula": (len(state.blocks) * MICRO_BATCH * SEQ // case["tp"] * cfg.model.d_model
+                                       if case["pp"] == 1 else -1)}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+    results = [run_case(case, info) for case in CASES[info.world_size]]
+    # Negative control: without completing the replicated gradients over tp the parity must break.
+    original = parallelize.reduce_replicated_grads
+    parallelize.reduce_replicated_grads = lambda model, shards, group: None
+    try:
+        control = run_case({"dp": info.world_size // 2, "pp": 1, "tp": 2, "ep": 1, "variant": "block"}, info)
+    finally:
+        parallelize.reduce_replicated_grads = original
+    if info.rank == 0:
+        for result in results:
+            print("CASE " + json.dumps(result), flush=True)
+        print("CONTROL " + json.dumps(control), flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
