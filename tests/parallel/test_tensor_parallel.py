@@ -96,3 +96,18 @@ def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, f
 def test_tp_and_ep_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
         validate_layout(load_config(overrides), world)
+
+
+def test_tp2_chunked_prefill_holds_a_tp_th_of_the_blocks_and_equals_one_process():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "scripts.bench_tp_prefill", "--model", "xs", "--prompt", "64", "--chunk", "16"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if "per-rank block storage" in line]
+    assert [row[0] for row in rows] == ["chunk=64", "chunk=16"]
+    for row in rows:  # measured MiB == formula MiB, and the formula is the unsharded figure / 2
+        measured, formula, unsharded = float(row[5]), float(row[9]), float(row[12])
+        assert measured == formula > 0 and unsharded == pytest.approx(2 * formula, abs=2e-3), row
+    error = float(result.stdout.split("max |logit difference|")[1].split()[0])
+    assert error < 1e-5
