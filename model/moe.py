@@ -20,9 +20,13 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
     stacks (E, d, inter), (E, d, inter), (E, inter, d) -> (M, d)."""
     outputs = []
     for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
+        if x_e.shape[0] == 0:  # idle experts cost only op overhead (most of them while decoding)
+            continue
         h = F.silu(x_e @ w_gate[e]) * (x_e @ w_up[e])  # (n_e, inter)
         outputs.append(h @ w_down[e])  # (n_e, d)
-    return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.shape[-1])
+    if not outputs:  # no rows: stay in the graph, so a caller's collectives run their backward too
+        return x_sorted.narrow(-1, 0, w_down.shape[-1]) * 0
+    return torch.cat(outputs)
 
 
 class MoE(nn.Module):

@@ -48,10 +48,12 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
     reduce_replicated_grads(model, shards, layout.tp_group)
     experts = set(expert_param_names(shards))
     for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
         if name in experts:
+            if p.grad is None:  # no token reached this rank's experts; its peers still reduce
+                p.grad = torch.zeros_like(p)
             _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp)
+        elif p.grad is None:
+            continue
         elif not dp_averaged:
             _all_reduce(p.grad, layout.dp_group).div_(layout.dp)
 

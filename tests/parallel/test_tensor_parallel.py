@@ -29,7 +29,7 @@ def launch_worker(nproc: int):
     return cases, control[0]
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 4), (4, 3)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 5), (4, 3)])
 def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
     cases, control = launch_worker(nproc)
     assert len(cases) == expected_cases

@@ -22,7 +22,9 @@ MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
 CASES = {
     2: [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": v} for v in ("baseline", "full", "block")]
-       + [{"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "block"}],
+       + [{"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "block"},
+          # every token routed to experts 0 and 1: the second ep rank receives nothing
+          {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "baseline", "skewed": True}],
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"}],
 }
@@ -39,6 +41,14 @@ def whole(name: str, grad: torch.Tensor, engine) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def skew(model, case: dict):
+    """With case["skewed"], bias the routers so every token picks experts 0 and 1."""
+    if case.get("skewed"):
+        for moe in model.moe_layers():
+            moe.expert_bias[:2] = 100.0
+    return model
+
+
 def run_case(case: dict, info: DistInfo) -> dict:
     cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2"])
     dp = case["dp"]
@@ -47,7 +57,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
 
     torch.manual_seed(0)
-    reference = build_model(cfg)
+    reference = skew(build_model(cfg), case)
     losses = [cross_entropy(reference(x), y) for x, y in batches]
     reference_loss = torch.stack(losses).mean()
     reference_loss.backward()
@@ -60,7 +70,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     layout = build_layout(info, dp, case["pp"], case["tp"], case["ep"])
     parallel = ParallelConfig(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1))
     torch.manual_seed(0)
-    engine = build_engine(build_model(cfg), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
+    engine = build_engine(skew(build_model(cfg), case), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
     mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, contextlib.nullcontext, None)
     grad_norm = engine.clip_grad_norm(1e9)
