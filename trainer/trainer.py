@@ -158,7 +158,8 @@ class Trainer:
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         log.print(f"run {self.run_dir}: model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks "
                   f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
-                  f"world={info.world_size} ({info.backend or 'single process'}, {info.device}), "
+                  f"world={info.world_size} ({info.backend or 'single process'}, {info.device}; "
+                  f"dp={self.layout.dp} pp={self.layout.pp} tp={self.layout.tp} ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
 
     def _maybe_crash(self) -> None:
