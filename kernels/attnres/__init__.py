@@ -2,18 +2,32 @@
 
 The two-phase read (`phase1`, `phase2`) has fused Triton kernels for the softmax kernel in fp32, bf16
 and fp16; the sigmoid kernel and fp64 (the tests' oracle precision) always take the reference. The
-per-layer read (`depth_attention`) and the other helpers are the reference only.
+per-layer read (`depth_attention`) and the other helpers are the reference only. For a few tokens
+(decoding) the reference reads stacked sources (`phase1_stacked`, `depth_attention_stacked`).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.attnres import reference
-from kernels.attnres.reference import (depth_attention, depth_scores, inverse_rms, merge, source_weights,
-                                       weighted_sum)
+from kernels.attnres.reference import depth_scores, inverse_rms, merge, source_weights, weighted_sum
 from kernels.select import IMPLS, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Up to this many tokens (B*T) the reference stacks the sources and reads them in a few large ops
+# (decoding is op-overhead bound); above it, it reads them one by one rather than copy them all.
+STACK_MAX_TOKENS = 64
+
+
+def _few_tokens(source: torch.Tensor) -> bool:
+    return source.shape[:-1].numel() <= STACK_MAX_TOKENS
+
+
+def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, inv_rms: list[torch.Tensor] | None,
+                    kernel: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-layer read (reference only): h (B, T, d) and alpha (N, B, T, H) as in `reference.depth_attention`."""
+    read = reference.depth_attention_stacked if _few_tokens(sources[0]) else reference.depth_attention
+    return read(sources, query, inv_rms, kernel)
 
 
 def _fused(impl: str, kernel: str, activations: torch.Tensor) -> bool:
@@ -37,7 +51,8 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None,
         for block in blocks[len(cache):]:
             cache.append(inverse_rms(block, queries.shape[1], eps))
         inv_rms = cache[:len(blocks)]
-    return reference.phase1(blocks, queries, inv_rms, kernel)
+    read = reference.phase1_stacked if _few_tokens(blocks[0]) else reference.phase1
+    return read(blocks, queries, inv_rms, kernel)
 
 
 def phase2(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,

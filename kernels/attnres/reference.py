@@ -24,6 +24,8 @@ def inverse_rms(x: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
 
 def head_columns(queries: torch.Tensor) -> torch.Tensor:
     """(S, H, d/H) learned queries -> (d, S*H) block-diagonal columns: one matmul scores all heads."""
+    if queries.shape[1] == 1:  # one head: the columns are the queries themselves
+        return queries.flatten(1).t()
     per_query = [torch.block_diag(*q.unsqueeze(-1).unbind(0)) for q in queries.unbind(0)]  # each (d, H)
     return torch.cat(per_query, dim=1)
 
@@ -70,6 +72,17 @@ def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, inv_rms: l
     return weighted_sum(weights, sources), weights
 
 
+def _unnormalised_weights(scores: torch.Tensor, kernel: str):
+    """Scores (S, N, B, T, H) -> (p, m, l): softmax numerators e^(s - m) with their max m and sum l over
+    the N sources (S, B, T, H); for the sigmoid kernel p = sigmoid(s) and m = l = 0."""
+    if kernel == "softmax":
+        m = scores.amax(dim=1)  # (S, B, T, H)
+        p = torch.exp(scores - m.unsqueeze(1))
+        return p, m, p.sum(dim=1)
+    zeros = torch.zeros_like(scores[:, 0])
+    return torch.sigmoid(scores), zeros, zeros
+
+
 def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, inv_rms: list[torch.Tensor] | None,
            kernel: str = "softmax"):
     """Inter-block attention for the S queries of one block, reading each block once (Algorithm 1).
@@ -86,19 +99,53 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, inv_rms: list[torc
         s = _stats(block @ columns.to(block.dtype)).unflatten(-1, (n_queries, heads))  # (B, T, S, H)
         scores.append(s if inv_rms is None else s * inv_rms[i].unsqueeze(-2))
     scores = torch.stack(scores).movedim(3, 0)  # (S, N, B, T, H)
-    if kernel == "softmax":
-        m = scores.amax(dim=1)  # (S, B, T, H)
-        p = torch.exp(scores - m.unsqueeze(1))
-        l = p.sum(dim=1)
-    else:
-        p = torch.sigmoid(scores)
-        m = l = torch.zeros_like(scores[:, 0])
+    p, m, l = _unnormalised_weights(scores, kernel)
     o = None
     for i, block in enumerate(blocks):
         weight = p[:, i].unsqueeze(-1)  # (S, B, T, H, 1)
         term = (weight * _stats(block).unflatten(-1, (heads, -1))).flatten(-2)  # (S, B, T, d)
         o = term if o is None else o + term
     return o, m, l, scores
+
+
+def _stack(sources: list[torch.Tensor]) -> torch.Tensor:
+    """N x (B, T, d) -> (N, B, T, d) in their common dtype (an fp32 embedding among bf16 blocks)."""
+    dtype = sources[0].dtype
+    for source in sources[1:]:
+        dtype = torch.promote_types(dtype, source.dtype)
+    return torch.stack([source.to(dtype) for source in sources])
+
+
+def phase1_stacked(blocks: list[torch.Tensor], queries: torch.Tensor, inv_rms: list[torch.Tensor] | None,
+                   kernel: str = "softmax"):
+    """`phase1` on the blocks stacked into one tensor: a dozen ops whatever N, instead of a dozen per
+    block. Stacking copies every block, so this pays only for few tokens (decoding); same results."""
+    n_queries, heads = queries.shape[:2]
+    values = _stack(blocks)  # (N, B, T, d)
+    scores = _stats(values @ head_columns(queries).to(values.dtype)).unflatten(-1, (n_queries, heads))  # (N, B, T, S, H)
+    if inv_rms is not None:
+        scores = scores * torch.stack(inv_rms).unsqueeze(-2)
+    scores = scores.movedim(3, 0)  # (S, N, B, T, H)
+    p, m, l = _unnormalised_weights(scores, kernel)
+    grouped = _stats(values).unflatten(-1, (heads, -1))  # (N, B, T, H, d/H)
+    o = torch.einsum("snbth,nbthc->sbthc", p, grouped).flatten(-2)  # (S, B, T, d)
+    return o, m, l, scores
+
+
+def depth_attention_stacked(sources: list[torch.Tensor], query: torch.Tensor, inv_rms: list[torch.Tensor] | None,
+                            kernel: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_attention` on the sources stacked into one tensor (few tokens only, as phase1_stacked)."""
+    values = _stack(sources)  # (N, B, T, d)
+    if query.dim() == 2:
+        scores = _stats(values @ head_columns(query.unsqueeze(0)).to(values.dtype))  # (N, B, T, H)
+    else:
+        scores = _stats((values.unflatten(-1, query.shape[-2:]) * query.to(values.dtype)).sum(-1))  # (N, B, T, H)
+    if inv_rms is not None:
+        scores = scores * torch.stack(inv_rms)
+    weights = source_weights(scores, kernel)  # (N, B, T, H)
+    grouped = values.unflatten(-1, (weights.shape[-1], -1))  # (N, B, T, H, d/H)
+    h = (weights.to(values.dtype).unsqueeze(-1) * grouped).sum(0).flatten(-2)  # (B, T, d)
+    return h, weights
 
 
 def phase2(o1, m1, l1, partial: torch.Tensor, query: torch.Tensor, inv_rms: torch.Tensor | None,
