@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.attnres import depth_attention, merge
+from kernels.attnres import STACK_MAX_TOKENS, depth_attention, merge
 from model import build_model
 from trainer.config import load_config
 
@@ -20,8 +20,12 @@ def make(variant: str, *overrides: str, seed: int = 0, randomize: bool = True):
     return model
 
 
-def tokens(seed: int = 1):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+def tokens(seed: int = 1, length: int = T):
+    return torch.randint(0, VOCAB, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+# Up to STACK_MAX_TOKENS tokens the reads stack their sources, above it they read one at a time: both.
+LENGTHS = [T, STACK_MAX_TOKENS // B + 1]
 
 
 def sublayer_fns(model):
@@ -94,15 +98,18 @@ def test_zero_initialised_queries_give_uniform_average(variant):
         assert list(weights.values()) == pytest.approx([1 / n] * n, abs=1e-12), sublayer
 
 
-def test_full_matches_naive_definition():
-    model, x = make("full"), tokens()
+@pytest.mark.parametrize("length", LENGTHS)
+def test_full_matches_naive_definition(length):
+    model, x = make("full"), tokens(length=length)
     torch.testing.assert_close(model(x), naive_block_forward(model, x, block_size=1), atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 5, 8, 20])
 @pytest.mark.parametrize("two_phase", [True, False])
-def test_block_matches_naive_definition(block_size, two_phase):
-    model, x = make("block", f"variant.block_size={block_size}", f"variant.two_phase={two_phase}"), tokens()
+@pytest.mark.parametrize("length", LENGTHS)
+def test_block_matches_naive_definition(block_size, two_phase, length):
+    model, x = (make("block", f"variant.block_size={block_size}", f"variant.two_phase={two_phase}"),
+                tokens(length=length))
     torch.testing.assert_close(model(x), naive_block_forward(model, x, block_size), atol=1e-10, rtol=0)
 
 
