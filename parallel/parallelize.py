@@ -52,9 +52,7 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
             if p.grad is None:  # no token reached this rank's experts; its peers still reduce
                 p.grad = torch.zeros_like(p)
             _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp)
-        elif p.grad is None:
-            continue
-        elif not dp_averaged:
+        elif p.grad is not None and not dp_averaged and layout.dp > 1:
             _all_reduce(p.grad, layout.dp_group).div_(layout.dp)
 
 
