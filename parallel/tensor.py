@@ -103,6 +103,9 @@ def _region(module: nn.Module, group) -> None:
 
 
 def _shard_linear(shards: Shards, linear: nn.Linear, prefix: str, dim: int, rank: int, tp: int) -> None:
+    """dim 0: column-parallel (output features split); dim 1: row-parallel (input features split)."""
+    if dim == 1 and linear.bias is not None:
+        raise ValueError(f"{prefix}bias: a row-parallel linear with a bias would add it tp times")
     shards.add(linear, prefix, "weight", dim, "tp", rank, tp)
     if dim == 0 and linear.bias is not None:
         shards.add(linear, prefix, "bias", 0, "tp", rank, tp)
