@@ -31,11 +31,12 @@ def main() -> None:
     info = init_distributed()
     tp = info.world_size
     layout = build_layout(info, 1, 1, tp, 1)
-    cfg = load_config([f"model={args.model}", f"variant={args.variant}"]).model
+    config = load_config([f"model={args.model}", f"variant={args.variant}"])
+    cfg = config.model
     torch.manual_seed(0)
-    reference = build_model(load_config([f"model={args.model}", f"variant={args.variant}"])).eval()
+    reference = build_model(config).eval()
     torch.manual_seed(0)
-    model = build_model(load_config([f"model={args.model}", f"variant={args.variant}"])).eval()
+    model = build_model(config).eval()
     shard_model(model, layout)
     tokens = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     n_sources = 1 + -(-cfg.n_sublayers // model.mixer.block_size)

@@ -1,4 +1,6 @@
 """Shared fixtures: a tiny prepared corpus (no network) and trainer overrides for fast runs."""
+import json
+import os
 import random
 import subprocess
 import sys
@@ -48,5 +50,18 @@ def torchrun(overrides, nproc=2, max_restarts=0, timeout=240):
     """Launch trainer.main under torchrun on gloo; returns the CompletedProcess."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "trainer.main", *overrides]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def launch_parity_worker(worker, nproc: int):
+    """Run a parity worker script under torchrun; returns its CASE lines and its CONTROL line as dicts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", str(worker)], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
+    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
+    return cases, control[0]

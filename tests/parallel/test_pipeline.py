@@ -1,14 +1,11 @@
 """Pipeline parallelism: parity with one process (many layouts, one launch each for P=2 and P=3),
 communication volume against the paper's formulas, training and checkpoints across layouts."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, launch_parity_worker, torchrun
 from parallel.dims import init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
@@ -18,21 +15,9 @@ from trainer.trainer import Trainer
 WORKER = Path(__file__).with_name("pp_parity_worker.py")
 
 
-def launch_worker(nproc: int):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
-    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
-    return cases, control[0]
-
-
 @pytest.mark.parametrize("pp, expected_cases", [(2, 20), (3, 15)])
 def test_one_step_under_pp_equals_one_process(pp, expected_cases):
-    cases, control = launch_worker(pp)
+    cases, control = launch_parity_worker(WORKER, pp)
     assert len(cases) == expected_cases
     assert {(c["vp"], c["schedule"]) for c in cases} >= {(1, "1f1b"), (1, "gpipe"), (2, "interleaved_1f1b")}
     for case in cases:

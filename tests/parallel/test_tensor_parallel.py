@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, launch_parity_worker, torchrun
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -17,21 +17,9 @@ from trainer.trainer import Trainer
 WORKER = Path(__file__).with_name("tp_parity_worker.py")
 
 
-def launch_worker(nproc: int):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True,
-                            timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
-    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
-    return cases, control[0]
-
-
 @pytest.mark.parametrize("nproc, expected_cases", [(2, 5), (4, 3)])
 def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
-    cases, control = launch_worker(nproc)
+    cases, control = launch_parity_worker(WORKER, nproc)
     assert len(cases) == expected_cases
     for case in cases:
         assert case["loss_error"] < 2e-6, case

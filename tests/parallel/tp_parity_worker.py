@@ -16,6 +16,7 @@ from model import build_model
 from parallel.dims import DistInfo, build_layout
 from parallel import parallelize
 from parallel.parallelize import build_engine, cross_entropy
+from parallel.tensor import local_sequence
 from trainer.config import ParallelConfig, load_config
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
@@ -83,7 +84,6 @@ def run_case(case: dict, info: DistInfo) -> dict:
 
     block_elements = -1
     if case["pp"] == 1:
-        from parallel.tensor import local_sequence
         with torch.no_grad():
             local = local_sequence(tokens[:MICRO_BATCH, :-1], layout)
             state = engine.model.forward_layers(engine.model.mixer.start(engine.model.embed(local)))
