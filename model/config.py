@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.init import InitStds, init_stds
+
 
 @dataclass
 class KDAConfig:
@@ -55,7 +57,8 @@ class ModelConfig:
     n_dense_layers: int = 1         # first blocks use dense SwiGLU instead of MoE
     mla_every: int = 4              # 3 KDA : 1 MLA; the last block is always MLA
     norm_eps: float = 1e-5
-    init_std: float = 0.02
+    init: str = "scaled"            # scaled | flat (model/init.py)
+    init_std: float = 0.02          # input-side projections; the scheme derives the other stds from it
     kernel_impl: str = "auto"       # auto | reference | triton: fused kernels (AttnRes two-phase read, PreNorms)
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -65,6 +68,10 @@ class ModelConfig:
     @property
     def n_sublayers(self) -> int:
         return 2 * self.n_blocks
+
+    @property
+    def init_stds(self) -> InitStds:
+        return init_stds(self.init, self.init_std, self.d_model, self.n_sublayers)
 
     def is_mla(self, block: int) -> bool:
         return block == self.n_blocks - 1 or (block + 1) % self.mla_every == 0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.init import InitStds, initialise
 from model.layer import TransformerBlock
 from model.moe import MoE
 from model.norms import RMSNorm
@@ -26,8 +27,12 @@ class Decoder(nn.Module):
         self.final_res = self.mixer.make_read(cfg.n_sublayers + 1)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.embed.weight, std=cfg.init_std)
-        nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        initialise(self, cfg.init_stds)
+
+    def init_weights(self, stds: InitStds) -> None:
+        """The embedding and the head; every submodule initialises its own (model.init.initialise)."""
+        nn.init.normal_(self.embed.weight, std=stds.embedding)
+        nn.init.normal_(self.lm_head.weight, std=stds.head)
 
     def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None,
                 cache: dict[int, object] | None = None) -> torch.Tensor:

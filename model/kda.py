@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels.kda import kda_chunk, kda_recurrent
 from model.config import ModelConfig
+from model.init import InitStds
 from model.norms import RMSNorm
 
 # The decay's time step dt = softplus(. + dt_bias) starts log-uniform in [DT_MIN, DT_MAX].
@@ -67,20 +68,27 @@ class KimiDeltaAttention(nn.Module):
 
         # Per-channel decay g = -exp(A_log) * softplus(f_proj(x) + dt_bias): low rank through K.
         self.f_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=False))
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(A_MIN, A_MAX).log())
-        dt = torch.exp(torch.rand(H * K) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
-        self.dt_bias = nn.Parameter(_inverse_softplus(dt.clamp(min=DT_FLOOR)))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
 
         # Output gate, low rank through K, applied after a per-head RMSNorm shared by all heads.
         self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=True))
         self.o_norm = RMSNorm(K, cfg.norm_eps, cfg.kernel_impl)
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+    def init_weights(self, stds: InitStds) -> None:
+        """Projections from the input at the hidden std, o_proj at the output std; the short convolutions
+        keep PyTorch's default (as fla's ShortConvolution); decay rates and time steps spread per head."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.f_proj, *self.g_proj):
+            nn.init.normal_(proj.weight, std=stds.hidden)
+        nn.init.zeros_(self.g_proj[1].bias)
+        nn.init.normal_(self.o_proj.weight, std=stds.output)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.reset_parameters()
+        with torch.no_grad():
+            self.A_log.uniform_(A_MIN, A_MAX).log_()
+            log_dt = torch.rand_like(self.dt_bias) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)
+            self.dt_bias.copy_(_inverse_softplus(log_dt.exp().clamp(min=DT_FLOOR)))
 
     def new_state(self, batch: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KDAState:

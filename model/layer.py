@@ -19,7 +19,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.attn = MultiHeadLatentAttention(cfg) if cfg.is_mla(index) else KimiDeltaAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
-        self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter, cfg.init_std)
+        self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter)
         # Sublayers in paper units: attention is 2*index+1, MLP 2*index+2.
         self.attn_res = mixer.make_read(self.attn_sublayer)
         self.mlp_res = mixer.make_read(self.attn_sublayer + 1)

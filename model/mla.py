@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.init import InitStds
 from model.norms import RMSNorm
 
 
@@ -46,8 +47,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps, cfg.kernel_impl)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.d_model, bias=False)
-        for proj in (self.q_proj, self.kv_a_proj, self.kv_b_proj, self.o_proj):
-            nn.init.normal_(proj.weight, mean=0.0, std=cfg.init_std)
+
+    def init_weights(self, stds: InitStds) -> None:
+        for proj in (self.q_proj, self.kv_a_proj, self.kv_b_proj):
+            nn.init.normal_(proj.weight, std=stds.hidden)
+        nn.init.normal_(self.o_proj.weight, std=stds.output)
 
     def new_cache(self, batch: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> MLACache:

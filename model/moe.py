@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.init import InitStds
 from model.mlp import SwiGLU
 
 
@@ -40,9 +41,8 @@ class MoE(nn.Module):
         self.aux_loss_coef = moe.aux_loss_coef
 
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
-        nn.init.normal_(self.router.weight, mean=0.0, std=cfg.init_std)
         # Steered by update_bias, not by the optimizer; persistent so a resumed run keeps its balance.
-        self.register_buffer("expert_bias", torch.zeros(self.n_experts))
+        self.register_buffer("expert_bias", torch.empty(self.n_experts))
         # Token-expert assignments since the last update_bias; a per-step statistic, not state.
         # Integer, so casting the model to bf16 cannot round the counts.
         self.register_buffer("load_counts", torch.zeros(self.n_experts, dtype=torch.long), persistent=False)
@@ -50,13 +50,20 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(self.n_experts, cfg.d_model, moe.moe_inter))
         self.w_up = nn.Parameter(torch.empty(self.n_experts, cfg.d_model, moe.moe_inter))
         self.w_down = nn.Parameter(torch.empty(self.n_experts, moe.moe_inter, cfg.d_model))
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, mean=0.0, std=cfg.init_std)
 
-        self.shared = (SwiGLU(cfg.d_model, moe.n_shared_experts * moe.moe_inter, cfg.init_std)
-                       if moe.n_shared_experts > 0 else None)
+        self.shared = SwiGLU(cfg.d_model, moe.n_shared_experts * moe.moe_inter) if moe.n_shared_experts > 0 else None
         # Sequence-wise balance loss of the last forward; the model adds it to the LM loss.
         self.aux_loss = torch.zeros(())
+
+    def init_weights(self, stds: InitStds) -> None:
+        """The shared expert initialises itself (a SwiGLU); the routed experts' down stack writes to the
+        residual stream, so it takes the output std."""
+        nn.init.normal_(self.router.weight, std=stds.hidden)
+        nn.init.normal_(self.w_gate, std=stds.hidden)
+        nn.init.normal_(self.w_up, std=stds.hidden)
+        nn.init.normal_(self.w_down, std=stds.output)
+        nn.init.zeros_(self.expert_bias)
+        self.load_counts.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, d) -> expert ids (N, k), combine weights (N, k) fp32, scores (N, E) fp32."""

@@ -12,7 +12,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.impl = impl  # auto | reference | triton (ModelConfig.kernel_impl for the model's norms)
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def init_weights(self, stds) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.impl)

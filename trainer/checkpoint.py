@@ -239,7 +239,7 @@ def _flatten(values: dict, prefix: str) -> dict[str, object]:
 # Fields a resumed run may change: they neither shape the weights nor change what the model computes
 # beyond training dynamics (two_phase is an exact rewrite of the per-layer read; kernel_impl picks
 # kernels that compute the same thing).
-RESUMABLE_CHANGES = ("model.init_std", "model.kernel_impl", "model.kda.chunk_size", "model.moe.bias_update_rate",
+RESUMABLE_CHANGES = ("model.init", "model.init_std", "model.kernel_impl", "model.kda.chunk_size", "model.moe.bias_update_rate",
                      "model.moe.aux_loss_coef", "model.residual.two_phase")
 
 

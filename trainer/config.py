@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kernels.select import IMPLS
 from model.config import ModelConfig
+from model.init import INIT_SCHEMES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -115,6 +116,7 @@ CHOICES = {
     "variant.kernel": ("softmax", "sigmoid"),
     "variant.mixing": ("attention", "static"),
     "model.kernel_impl": IMPLS,
+    "model.init": INIT_SCHEMES,
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "logging.wandb.mode": ("offline", "online", "disabled"),

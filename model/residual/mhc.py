@@ -55,18 +55,27 @@ class StreamConnections(nn.Module):
 
     def __init__(self, d_model: int, streams: int, sublayer: int, eps: float):
         super().__init__()
-        self.streams, self.eps = streams, eps
-        self.read_bias = nn.Parameter(F.one_hot(torch.tensor((sublayer - 1) % streams), streams).float())
-        self.write_bias = nn.Parameter(torch.ones(streams))
+        self.streams, self.eps, self.sublayer = streams, eps, sublayer
+        self.read_bias = nn.Parameter(torch.empty(streams))
+        self.write_bias = nn.Parameter(torch.empty(streams))
         # Flat (m*m,): the optimizer treats 1-D parameters as biases (no weight decay pulling A_0 towards
         # uniform mixing, no Muon orthogonalisation of a 4x4 logit table).
-        self.mix_bias = nn.Parameter(MIX_INIT_LOGIT * torch.eye(streams).flatten())
+        self.mix_bias = nn.Parameter(torch.empty(streams * streams))
         self.proj = nn.Linear(d_model, 2 * streams + streams * streams, bias=False)
-        nn.init.zeros_(self.proj.weight)
         # Small learned gates on the tanh-bounded input-dependent parts of alpha, beta and A's logits
         # (mHC's alpha_pre/post/res): without them the per-token coefficients grew within ~60 steps and
         # the gradient norm of the whole model went up 10x (xs, lr 3e-3), stalling training.
-        self.gates = nn.Parameter(torch.full((3,), DYNAMIC_GATE_INIT))
+        self.gates = nn.Parameter(torch.empty(3))
+
+    def init_weights(self, stds) -> None:
+        """The same for every scheme: sublayer l reads stream (l-1) mod m, writes to all, mixes by identity."""
+        m = self.streams
+        with torch.no_grad():
+            self.read_bias.copy_(F.one_hot(torch.tensor((self.sublayer - 1) % m), m))
+            self.write_bias.fill_(1.0)
+            self.mix_bias.copy_(MIX_INIT_LOGIT * torch.eye(m).flatten())
+            self.gates.fill_(DYNAMIC_GATE_INIT)
+        nn.init.zeros_(self.proj.weight)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (m, B, T, d) -> alpha (B, T, m), beta (B, T, m), A (B, T, m, m)."""

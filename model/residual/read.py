@@ -19,16 +19,23 @@ class DepthRead(nn.Module):
         super().__init__()
         self.heads = options.heads
         if options.mixing == "static":
-            self.logits = nn.Parameter(torch.zeros(n_sources))
+            self.logits = nn.Parameter(torch.empty(n_sources))
             return
         if options.query == "learned":
-            self.query = nn.Parameter(torch.zeros(d_model))
+            self.query = nn.Parameter(torch.empty(d_model))
         else:
             # Input-dependent ablation: q = W RMSNorm(latest source); W zero so step 0 is still uniform.
             self.query_norm = RMSNorm(d_model, eps)
             self.query_proj = nn.Linear(d_model, d_model, bias=False)
-            nn.init.zeros_(self.query_proj.weight)
         self.key_norm = RMSNorm(d_model, eps) if options.key_norm else None
+
+    def init_weights(self, stds) -> None:
+        """Zero whatever sets the mixing weights, whatever the scheme (the norms initialise themselves)."""
+        for name in ("logits", "query"):
+            if hasattr(self, name):
+                nn.init.zeros_(getattr(self, name))
+        if hasattr(self, "query_proj"):
+            nn.init.zeros_(self.query_proj.weight)
 
     @property
     def is_static(self) -> bool:

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from scripts.report import curves, depth, sweeps
+from scripts.report.sanity import sanity_section
 from scripts.report.runs import Group, Run, group_runs
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
 from scripts.report.table import Row, build_rows, to_markdown
@@ -50,6 +51,20 @@ def magnitude_lines(groups: list[Group]) -> list[str]:
     return lines
 
 
+def lr_section(groups: list[Group], out_dir: Path) -> list[str]:
+    """Loss against learning rate for every variant trained at several, and each one's best."""
+    families = sweeps.lr_families(groups)
+    if not families:
+        return []
+    lines = ["## Learning-rate sweep", "", image(sweeps.lr_sweep(families, out_dir / "lr_sweep.png"), "lr sweep"), ""]
+    for name, members in families.items():
+        best = min(members, key=lambda g: statistics.fmean(sweeps.final_losses(g)))
+        losses = ", ".join(f"{g.lr:g}: {statistics.fmean(sweeps.final_losses(g)):.4f}" for g in members)
+        edge = " (at the edge of the sweep: widen it)" if best in (members[0], members[-1]) else ""
+        lines.append(f"- {name}: best lr {best.lr:g}{edge}; mean final loss by lr: {losses}")
+    return lines + [""]
+
+
 def scaling_section(groups: list[Group], out_dir: Path) -> list[str]:
     """Fit L = A C^-alpha per variant family with at least three sizes."""
     points: dict[str, list[tuple[float, float]]] = {}
@@ -90,6 +105,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
              "Differences to the baseline are called seed noise when |diff| < 2 x pooled std over seeds"
              + ("; with a single seed there is no noise estimate, so no difference here can be called real."
                 if seeds < 2 else "."), "", *ordering(rows), "",
+             *sanity_section(groups),
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
              image(curves.loss_vs_compute(groups, out_dir / "loss_vs_compute.png"), "validation loss vs compute"), "",
@@ -117,6 +133,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
     for size in sweeps.sweep_sizes(groups):
         figure = sweeps.block_size_sweep(groups, size, out_dir / f"block_size_sweep_{slug(size)}.png")
         lines += [f"## Block-size sweep ({size})", "", image(figure, "block-size sweep"), ""]
+    lines += lr_section(groups, out_dir)
     lines += scaling_section(groups, out_dir)
     report = out_dir / "report.md"
     report.write_text("\n".join(lines).rstrip() + "\n")

@@ -1,7 +1,10 @@
 """Read finished (or unfinished) run directories: config.yaml, metrics.jsonl, diagnostics.jsonl.
 
-Runs are grouped by (model size, residual variant) read from their resolved config, so the report
-works the same on runs the comparison tool trained and on run directories copied from a cluster.
+Runs are grouped by (setting, residual variant) read from their resolved config, so the report
+works the same on runs the comparison tool trained and on run directories copied from a cluster. The
+setting is the model size plus every recipe field (RECIPE) that differs between the runs of a report:
+an LR sweep's groups are `s lr=0.001`, `s lr=0.003`, ..., each compared with the baseline of its own
+setting.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from trainer.config import CONFIG_DIR, Config
 VARIANT_ORDER = ("baseline", "full", "block", "mhc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
+# Recipe fields a comparison may vary on purpose (learning-rate sweeps, the old-initialisation control).
+RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -34,7 +39,7 @@ def by_step(records: list[dict]) -> list[dict]:
 
 def _shape(model: ModelConfig) -> dict:
     shape = dataclasses.asdict(model)
-    for key in ("residual", "kernel_impl", "init_std", "norm_eps"):
+    for key in ("residual", "kernel_impl", "init", "init_std", "norm_eps"):
         shape.pop(key)
     return shape
 
@@ -117,6 +122,11 @@ class Run:
     def tokens(self) -> int:
         return self.metrics[-1]["tokens"] if self.metrics else 0
 
+    def recipe(self, keys: list[str]) -> str:
+        """'lr=0.001 init=flat' for the given RECIPE keys ('' for none)."""
+        return " ".join(f"{key}={RECIPE[key](self.config):g}" if isinstance(RECIPE[key](self.config), float)
+                        else f"{key}={RECIPE[key](self.config)}" for key in keys)
+
     @property
     def step_time(self) -> float | None:
         """Median seconds per step, leaving out step 1 (warm-up)."""
@@ -134,10 +144,18 @@ class Run:
 
 @dataclass
 class Group:
-    """The seeds of one (size, variant)."""
+    """The seeds of one (setting, variant); the setting is the model size plus any varied recipe."""
     size: str
     variant: str
     runs: list[Run]
+
+    @property
+    def model_size(self) -> str:
+        return self.runs[0].size
+
+    @property
+    def lr(self) -> float:
+        return self.runs[0].config.optim.lr
 
     @property
     def kind(self) -> str:
@@ -153,15 +171,22 @@ class Group:
         return self.kind == "block" and self.variant == f"block S={self.block_size}"
 
     def sort_key(self) -> tuple:
-        model = self.runs[0].config.model
-        return (model.d_model, model.n_blocks, VARIANT_ORDER.index(self.kind), self.block_size, self.variant)
+        config = self.runs[0].config
+        return (config.model.d_model, config.model.n_blocks, config.model.init, config.optim.lr,
+                VARIANT_ORDER.index(self.kind), self.block_size, self.variant)
+
+
+def varied_recipe(runs: list[Run]) -> list[str]:
+    """The RECIPE keys whose values differ between runs."""
+    return [key for key, value_of in RECIPE.items() if len({value_of(run.config) for run in runs}) > 1]
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
+    varied = varied_recipe(runs)
     groups: dict[tuple[str, str], Group] = {}
     for run in runs:
-        key = (run.size, run.variant)
-        groups.setdefault(key, Group(run.size, run.variant, [])).runs.append(run)
+        setting = " ".join(filter(None, (run.size, run.recipe(varied))))
+        groups.setdefault((setting, run.variant), Group(setting, run.variant, [])).runs.append(run)
     for group in groups.values():
         group.runs.sort(key=lambda r: r.seed)
     return sorted(groups.values(), key=Group.sort_key)

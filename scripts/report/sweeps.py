@@ -52,3 +52,28 @@ def scaling(points: dict[str, list[tuple[float, float]]], fits: dict[str, PowerL
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return save(fig, path)
+
+
+def lr_families(groups: list[Group]) -> dict[str, list[Group]]:
+    """'<model size> <variant>' -> its groups at two or more learning rates (other recipe fields equal), by lr."""
+    families: dict[str, list[Group]] = {}
+    for group in groups:
+        if final_losses(group):
+            init = group.runs[0].config.model.init
+            families.setdefault(f"{group.model_size} {group.variant} init={init}", []).append(group)
+    return {name: sorted(members, key=lambda g: g.lr) for name, members in families.items()
+            if len({g.lr for g in members}) >= 2}
+
+
+def lr_sweep(families: dict[str, list[Group]], path: Path) -> Path:
+    """Final validation loss (mean ± std over seeds) against the peak learning rate, one line per family."""
+    fig, (ax,) = new_figure(width=7, height=4.5)
+    for name, members in families.items():
+        stats = [mean_std(final_losses(g)) for g in members]
+        ax.errorbar([g.lr for g in members], [m for m, _ in stats], yerr=[s or 0 for _, s in stats],
+                    marker="o", capsize=3, label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="peak learning rate", ylabel="final validation loss", title="learning-rate sweep")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return save(fig, path)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from model.config import KDAConfig, ModelConfig
+from model.init import initialise
 from model.kda import KimiDeltaAttention
 
 T = 45
@@ -11,8 +12,10 @@ T = 45
 def make_layer() -> KimiDeltaAttention:
     torch.manual_seed(0)
     # A larger init_std than training's 0.02 so outputs are O(0.1-1) and tolerances mean something.
-    cfg = ModelConfig(d_model=32, n_heads=2, init_std=0.2, kda=KDAConfig(head_dim=8, chunk_size=16))
-    return KimiDeltaAttention(cfg)
+    cfg = ModelConfig(d_model=32, n_heads=2, init="flat", init_std=0.2, kda=KDAConfig(head_dim=8, chunk_size=16))
+    layer = KimiDeltaAttention(cfg)
+    initialise(layer, cfg.init_stds)
+    return layer
 
 
 def make_input(batch: int = 2) -> torch.Tensor:

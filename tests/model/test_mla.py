@@ -4,19 +4,23 @@ import pytest
 import torch
 
 from model.config import MLAConfig, ModelConfig
+from model.init import initialise
 from model.mla import MLACache, MultiHeadLatentAttention
 
 
 def small_cfg() -> ModelConfig:
     # init_std large enough that attention is far from uniform, so the checks below have teeth.
-    return ModelConfig(d_model=32, n_heads=4, init_std=0.2,
+    return ModelConfig(d_model=32, n_heads=4, init="flat", init_std=0.2,
                        mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6))
 
 
 @pytest.fixture
 def attn() -> MultiHeadLatentAttention:
     torch.manual_seed(0)
-    return MultiHeadLatentAttention(small_cfg()).eval()
+    cfg = small_cfg()
+    attn = MultiHeadLatentAttention(cfg)
+    initialise(attn, cfg.init_stds)
+    return attn.eval()
 
 
 def test_causal(attn):

@@ -2,16 +2,19 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig, MoEConfig
+from model.init import init_stds, initialise
 from model.mlp import SwiGLU
 from model.moe import MoE
 
 
 def make_moe(d=8, experts=4, top_k=2, inter=6, shared=1, scale=1.0, rate=1e-3, aux=0.0, seed=0) -> MoE:
     torch.manual_seed(seed)
-    cfg = ModelConfig(d_model=d, init_std=0.3, moe=MoEConfig(
+    cfg = ModelConfig(d_model=d, init="flat", init_std=0.3, moe=MoEConfig(
         n_routed_experts=experts, top_k=top_k, moe_inter=inter, n_shared_experts=shared,
         routed_scaling_factor=scale, bias_update_rate=rate, aux_loss_coef=aux))
-    return MoE(cfg)
+    moe = MoE(cfg)
+    initialise(moe, cfg.init_stds)
+    return moe
 
 
 def hand_router(moe: MoE) -> None:
@@ -133,7 +136,8 @@ def test_gradients_reach_router_experts_and_shared():
 
 def test_shared_expert_is_swiglu():
     torch.manual_seed(0)
-    mlp = SwiGLU(8, 12, init_std=0.3)
+    mlp = SwiGLU(8, 12)
+    initialise(mlp, init_stds("flat", 0.3, d_model=8, n_sublayers=2))
     x = torch.randn(5, 8)
     expected = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
     torch.testing.assert_close(mlp(x), expected)

@@ -89,3 +89,66 @@ def test_noise_verdict_uses_pooled_seed_spread():
     assert noise_verdict([2.0], [2.1]) == "single seed, no noise estimate"
     assert noise_verdict([2.00, 2.02, 2.04], [2.01, 2.03, 2.05]).startswith("inside seed noise")
     assert noise_verdict([1.90, 1.91, 1.92], [2.01, 2.02, 2.03]).startswith("outside seed noise")
+
+
+def test_report_draws_the_lr_sweep_with_each_variants_best(tmp_path, tiny_runs):
+    """Runs that differ in lr form one group per (lr, variant); each is compared with the baseline at its lr."""
+    runs = []
+    for lr, scale in ((1e-3, 1.02), (3e-3, 1.0), (1e-2, 1.05)):
+        for name, source in tiny_runs.items():
+            runs.append(edited_copy(source, tmp_path / f"{name}-lr{lr:g}-s0", {"optim.lr": lr}, loss_scale=scale))
+    report = build_report(runs, tmp_path / "report", "lr sweep")
+    text = report.read_text()
+    assert (report.parent / "lr_sweep.png").stat().st_size > 1000
+    base = final_val_loss(tiny_runs["baseline"])
+    assert f"- xs baseline init=scaled: best lr 0.003; mean final loss by lr: 0.001: {base * 1.02:.4f}" in text
+    assert "| xs lr=0.01 | block S=2 |" in text
+    # Each lr's Block row is compared with the baseline at the same lr (equal scales: the unscaled difference).
+    diff = final_val_loss(tiny_runs["block"]) - base
+    assert text.count(f"| {diff * 1.05:+.4f} |") == 1 and text.count(f"| {diff * 1.02:+.4f} |") == 1
+
+
+def seeded_copies(tiny_runs, tmp_path, one_block_scale: float) -> list:
+    """Baseline and one-block (S = 8 = L at xs) runs at seeds 0 and 1 with a known spread."""
+    runs = []
+    for seed, jitter in ((0, 1.0), (1, 1.004)):
+        runs.append(edited_copy(tiny_runs["baseline"], tmp_path / f"baseline-s{seed}", {"seed": seed},
+                                loss_scale=jitter))
+        runs.append(edited_copy(tiny_runs["block"], tmp_path / f"one-block-s{seed}",
+                                {"seed": seed, "model.residual.block_size": 8},
+                                loss_scale=jitter * one_block_scale * final_val_loss(tiny_runs["baseline"])
+                                / final_val_loss(tiny_runs["block"])))
+    return runs
+
+
+def test_sanity_panel_flags_a_one_block_run_that_beats_the_baseline(tmp_path, tiny_runs):
+    text = build_report(seeded_copies(tiny_runs, tmp_path, 0.9), tmp_path / "report", "bad").read_text()
+    panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
+    assert "xs: one block (block S=8) minus baseline = -0." in panel
+    assert "**Warning: the sign of a mis-specified baseline.**" in panel
+    assert "| read | xs block S=8 |" in panel and "| final |" in panel
+
+
+def test_sanity_panel_passes_a_one_block_run_level_with_the_baseline(tmp_path, tiny_runs):
+    text = build_report(seeded_copies(tiny_runs, tmp_path, 1.001), tmp_path / "report", "good").read_text()
+    panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
+    assert "consistent with the paper" in panel and "Warning" not in panel
+
+
+def test_sanity_panel_asks_for_a_one_block_run_when_there_is_none(tmp_path, tiny_runs):
+    text = build_report(list(tiny_runs.values()), tmp_path / "report", "none").read_text()
+    assert "xs: no one-block run to check the baseline against (add a run with " \
+           "`variant=block variant.block_size=8`)" in text
+
+
+def test_sanity_panel_borrows_the_seed_spread_of_its_size_for_a_single_seed_control(tmp_path, tiny_runs):
+    """A one-seed old-recipe control is judged against the seed spread of the seeded groups of its size."""
+    runs = seeded_copies(tiny_runs, tmp_path, 1.0)
+    for name, scale in (("baseline", 1.0), ("block", 0.8)):
+        config = {"model.init": "flat"} | ({"model.residual.block_size": 8} if name == "block" else {})
+        runs.append(edited_copy(tiny_runs[name], tmp_path / f"flat-{name}-s0", config, loss_scale=scale))
+    text = build_report(runs, tmp_path / "report", "control").read_text()
+    panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
+    flat_line = next(line for line in panel.splitlines() if line.startswith("- xs init=flat:"))
+    scaled_line = next(line for line in panel.splitlines() if line.startswith("- xs init=scaled:"))
+    assert "Warning" in flat_line and "consistent with the paper" in scaled_line
