@@ -28,7 +28,7 @@ class MoEConfig:
     moe_inter: int = 256        # hidden width of one routed expert
     n_shared_experts: int = 1   # shared SwiGLU of width n_shared * moe_inter, added unweighted
     routed_scaling_factor: float = 1.0
-    bias_update_rate: float = 1e-3  # aux-loss-free balancing step size
+    bias_update_rate: float = 1e-2  # aux-loss-free balancing step size (1e-3 left experts 2-3x imbalanced at step 100)
     aux_loss_coef: float = 0.0      # optional sequence-level balance loss
 
 
