@@ -51,6 +51,23 @@ def magnitude_lines(groups: list[Group]) -> list[str]:
     return lines
 
 
+def moe_section(groups: list[Group], out_dir: Path) -> list[str]:
+    """The load-imbalance curves and, per group, the imbalance over the last quarter of logged steps."""
+    figure = curves.moe_imbalance(groups, out_dir / "moe_imbalance.png")
+    if figure is None:
+        return []
+    lines = ["## MoE load balance", "", image(figure, "MoE load imbalance"), ""]
+    for group in groups:
+        tails = []
+        for run in group.runs:
+            values = [r["moe_load_imbalance"] for r in run.metrics if "moe_load_imbalance" in r]
+            tails += values[len(values) * 3 // 4:]
+        if tails:
+            lines.append(f"- {group.size} {group.variant}: max/mean expert load over the last quarter of logged "
+                         f"steps {statistics.fmean(tails):.2f} (worst {max(tails):.2f})")
+    return lines + [""]
+
+
 def lr_section(groups: list[Group], out_dir: Path) -> list[str]:
     """Loss against learning rate for every variant trained at several, and each one's best."""
     families = sweeps.lr_families(groups)
@@ -109,6 +126,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
              image(curves.loss_vs_compute(groups, out_dir / "loss_vs_compute.png"), "validation loss vs compute"), "",
+             *moe_section(groups, out_dir),
              "## Output and gradient magnitude (end of training)", ""]
     for size in dict.fromkeys(g.size for g in groups):
         figure = depth.magnitudes(groups, size, out_dir / f"magnitudes_{slug(size)}.png")

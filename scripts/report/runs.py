@@ -25,7 +25,8 @@ VARIANT_ORDER = ("baseline", "full", "block", "mhc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
 # Recipe fields a comparison may vary on purpose (learning-rate sweeps, the old-initialisation control).
-RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init}
+RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init,
+          "bias_rate": lambda cfg: cfg.model.moe.bias_update_rate}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -140,7 +140,10 @@ def test_dispatcher_takes_the_kernels_only_when_asked_and_able(monkeypatch):
 
 # -- the model ---------------------------------------------------------------------------------------
 
-MODEL_TOL = 1e-5
+# Relative to the largest entry. The whole model amplifies rounding: with random, sharp depth queries and
+# the scaled init's unit-std embedding, two exact reference paths (two-phase vs per-layer read) already
+# differ by 7.6e-5 in the gradients (1.2e-5 under the flat init). A wrong kernel errs by O(1).
+MODEL_TOL = 2e-4
 
 
 def model_logits_and_grads(impl: str, heads: int):

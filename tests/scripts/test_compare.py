@@ -47,4 +47,4 @@ def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_datas
 def test_unknown_experiment_is_one_clear_line(capsys):
     with pytest.raises(SystemExit):
         compare.main(["experiment=nope"])
-    assert "experiment='nope' is not one of ablations | cpu_repro | quick | scaling" in capsys.readouterr().err
+    assert "experiment='nope' is not one of ablations | cpu_repro | lr_sweep | quick | scaling" in capsys.readouterr().err

@@ -49,7 +49,7 @@ def test_report_holds_every_figure_and_the_runs_numbers(tmp_path, tiny_runs):
     report = build_report(list(tiny_runs.values()), tmp_path / "report", "tiny")
     out = report.parent
     for name in ["loss_vs_tokens.png", "loss_vs_compute.png", "magnitudes_xs.png", "depth_xs_block-S-2.png",
-                 "layer_importance.png"]:
+                 "layer_importance.png", "moe_imbalance.png"]:
         assert (out / name).stat().st_size > 1000, name
     text = report.read_text()
     for run_dir in tiny_runs.values():
@@ -58,6 +58,12 @@ def test_report_holds_every_figure_and_the_runs_numbers(tmp_path, tiny_runs):
     assert f"{diff:+.4f}" in text
     assert "single seed, no noise estimate" in text
     assert "| xs | block S=2 |" in text and "pre-attention" in text
+    baseline_imbalance = [json.loads(line).get("moe_load_imbalance")
+                          for line in (tiny_runs["baseline"] / "metrics.jsonl").read_text().splitlines()]
+    tail = [v for v in baseline_imbalance if v is not None]
+    tail = tail[len(tail) * 3 // 4:]
+    assert f"- xs baseline: max/mean expert load over the last quarter of logged steps {sum(tail) / len(tail):.2f}" \
+        in text
     for image in [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]:
         assert (out / image).is_file(), image
 
