@@ -1,13 +1,16 @@
 """Train a comparison experiment through the normal trainer, then write its report.
 
     python -m scripts.compare experiment=quick [seeds=[0,1]] [train.steps=50 ...]
+    python -m scripts.compare experiment=cpu_repro shard=0/2   # worker 0 of 2 (and shard=1/2 beside it)
     python -m scripts.compare runs=[runs/a,runs/b] [report_dir=reports/mine]   # report only
     python -m scripts.compare --report-only runs/a runs/b [--out reports/mine]
 
 Each run trains in this process into runs/<experiment>/<run>-s<seed>. A run whose newest checkpoint
 is at train.steps is skipped; an unfinished one resumes (resume=auto). Under torchrun every rank
 walks the same plan, so the runs train data-parallel. The report goes to reports/<experiment>/.
-Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only.
+Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only. A shard trains its
+share and writes no report: run the experiment once more without `shard` when every worker is done
+(it skips the finished runs and reports on all of them).
 """
 from __future__ import annotations
 
@@ -36,11 +39,13 @@ def completed_steps(run_dir: Path) -> int:
 
 
 def train_experiment(experiment: Experiment) -> list[Path]:
-    """Train every planned run that is not finished; returns the run directories in plan order."""
+    """Train every planned run of this worker that is not finished; returns the run directories in plan
+    order (none for a shard: the report needs every worker's runs)."""
     info = init_distributed()
     say = progress if info.is_main else (lambda line: None)
-    total = len(experiment.runs)
-    for k, run in enumerate(experiment.runs, start=1):
+    mine = experiment.my_runs()
+    total = len(mine)
+    for k, run in enumerate(mine, start=1):
         cfg = load_config(run.overrides)
         done = completed_steps(run.run_dir)
         if done >= cfg.train.steps:
@@ -51,13 +56,17 @@ def train_experiment(experiment: Experiment) -> list[Path]:
         started = time.perf_counter()
         Trainer(cfg, info).fit()
         say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+    if experiment.shard is not None:
+        say(f"shard {experiment.shard[0]}/{experiment.shard[1]} done; once every shard is, run "
+            f"`python -m scripts.compare experiment={experiment.name}` without shard= for the report")
+        return []
     return [run.run_dir for run in experiment.runs] if info.is_main else []
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="experiment=NAME, runs=[DIRS], seeds=[...], runs_dir=, "
-                                                     "report_dir=, and trainer overrides for every run")
+                                                     "report_dir=, shard=K/N, and trainer overrides for every run")
     parser.add_argument("--report-only", nargs="+", metavar="RUN_DIR", help="only build the report from these runs")
     parser.add_argument("--out", help="report directory for --report-only / runs= (default reports/<experiment>)")
     return parser.parse_args(argv)
@@ -79,7 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             rest = [item for item in args.overrides if item.split("=", 1)[0] != "experiment"]
             experiment = load_experiment(name, rest)
-            progress(f"experiment {experiment.name}: {len(experiment.runs)} runs")
+            share = f", this worker's share (shard {experiment.shard[0]}/{experiment.shard[1]}): " \
+                    f"{len(experiment.my_runs())}" if experiment.shard else ""
+            progress(f"experiment {experiment.name}: {len(experiment.runs)} runs{share}")
             run_dirs = train_experiment(experiment)
             if not run_dirs:
                 return

@@ -5,7 +5,9 @@ An experiment file holds
     shared: [train.steps=...]  trainer overrides every run gets: same data, tokens and hyperparameters
     runs:                      name + overrides (model size, variant and its options); optional seeds
       - {name: s-block, overrides: [model=s, variant=block]}
-and optionally runs_dir / report_dir (default runs/<name>, reports/<name>). The files are read with
+and optionally runs_dir / report_dir (default runs/<name>, reports/<name>). `shard=K/N` (command line
+only) keeps every N-th planned run starting at K, so N workers (processes on one machine, or jobs on
+a cluster sharing the runs directory) split one experiment without training a run twice. The files are read with
 OmegaConf, not composed by Hydra: they describe many trainer configs, not one.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from omegaconf import OmegaConf
 from trainer.config import CONFIG_DIR, ConfigError
 
 EXPERIMENT_DIR = CONFIG_DIR / "experiment"
-TOOL_KEYS = ("seeds", "runs_dir", "report_dir")  # command-line keys for the tool; the rest go to the trainer
+TOOL_KEYS = ("seeds", "runs_dir", "report_dir", "shard")  # command-line keys for the tool; the rest go to the trainer
 
 
 @dataclass
@@ -33,6 +35,23 @@ class Experiment:
     name: str
     report_dir: Path
     runs: list[PlannedRun]
+    shard: tuple[int, int] | None = None  # (K, N): this worker trains runs K, K+N, K+2N, ... of the plan
+
+    def my_runs(self) -> list[PlannedRun]:
+        if self.shard is None:
+            return self.runs
+        k, n = self.shard
+        return self.runs[k::n]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in str(text).split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise ConfigError(f"shard={text} must be K/N with 0 <= K < N (worker K of N), e.g. shard=0/2")
+    return k, n
 
 
 def experiment_path(name_or_path: str) -> Path:
@@ -69,4 +88,5 @@ def load_experiment(name_or_path: str, overrides: list[str] = ()) -> Experiment:
         planned.append(PlannedRun(run_name, run_dir, [
             *spec.get("shared", []), *run.overrides, *trainer_overrides,
             f"seed={seed}", f"run.dir={run_dir}", "resume=auto"]))
-    return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned)
+    shard = parse_shard(spec.shard) if spec.get("shard") is not None else None
+    return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned, shard)

@@ -48,3 +48,30 @@ def test_unknown_experiment_is_one_clear_line(capsys):
     with pytest.raises(SystemExit):
         compare.main(["experiment=nope"])
     assert "experiment='nope' is not one of ablations | cpu_repro | lr_sweep | quick | scaling" in capsys.readouterr().err
+
+
+def test_shards_split_the_plan_and_the_last_call_reports(tmp_path, tiny_dataset, monkeypatch):
+    shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=2) if not o.startswith("run.dir=")]
+    experiment = tmp_path / "tiny.yaml"
+    experiment.write_text(json.dumps({"seeds": [0, 1], "shared": shared,
+                                      "runs": [{"name": "xs-baseline", "overrides": ["variant=baseline"]}]}))
+    tool = [f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"]
+    compare.main([*tool, "shard=1/2"])  # the plan is seed-major: s0, s1; worker 1 of 2 trains s1 only
+    assert steps_logged(tmp_path / "runs" / "xs-baseline-s1") == [1, 2]
+    assert not (tmp_path / "runs" / "xs-baseline-s0").exists() and not (tmp_path / "report").exists()
+    compare.main([*tool, "shard=0/2"])
+    assert steps_logged(tmp_path / "runs" / "xs-baseline-s0") == [1, 2]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(compare, "Trainer", no_training)
+    compare.main(tool)
+    assert "0,1" in (tmp_path / "report" / "report.md").read_text()  # one group, both seeds
+
+
+@pytest.mark.parametrize("shard", ["2/2", "x", "1"])
+def test_bad_shard_is_one_clear_line(shard, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["experiment=quick", f"shard={shard}"])
+    assert f"shard={shard} must be K/N with 0 <= K < N (worker K of N), e.g. shard=0/2" in capsys.readouterr().err
