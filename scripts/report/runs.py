@@ -42,6 +42,8 @@ def _shape(model: ModelConfig) -> dict:
     shape = dataclasses.asdict(model)
     for key in ("residual", "kernel_impl", "init", "init_std", "norm_eps"):
         shape.pop(key)
+    for key in ("bias_update_rate", "aux_loss_coef"):  # balancing recipe, not the model's shape
+        shape["moe"].pop(key)
     return shape
 
 
