@@ -76,9 +76,12 @@ def lr_section(groups: list[Group], out_dir: Path) -> list[str]:
     lines = ["## Learning-rate sweep", "", image(sweeps.lr_sweep(families, out_dir / "lr_sweep.png"), "lr sweep"), ""]
     for name, members in families.items():
         best = min(members, key=lambda g: statistics.fmean(sweeps.final_losses(g)))
-        losses = ", ".join(f"{g.lr:g}: {statistics.fmean(sweeps.final_losses(g)):.4f}" for g in members)
+        means = [statistics.fmean(sweeps.final_losses(g)) for g in members]
+        losses = ", ".join(f"{g.lr:g}: {mean:.4f}" for g, mean in zip(members, means))
         edge = " (at the edge of the sweep: widen it)" if best in (members[0], members[-1]) else ""
-        lines.append(f"- {name}: best lr {best.lr:g}{edge}; mean final loss by lr: {losses}")
+        vertex = sweeps.parabola_minimum([g.lr for g in members], means)
+        fit = f"; a parabola in log lr through it and its neighbours has its minimum at {vertex:.3g}" if vertex else ""
+        lines.append(f"- {name}: best lr {best.lr:g}{edge}{fit}; mean final loss by lr: {losses}")
     return lines + [""]
 
 

@@ -1,7 +1,10 @@
 """Figures across groups: loss vs block size (paper Figure 6) and the compute scaling fit (Figure 4)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import numpy as np
 
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group
@@ -77,3 +80,15 @@ def lr_sweep(families: dict[str, list[Group]], path: Path) -> Path:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return save(fig, path)
+
+
+def parabola_minimum(lrs: list[float], losses: list[float]) -> float | None:
+    """The learning rate at the minimum of the parabola in log2(lr) through the best point and its two
+    neighbours (lrs sorted ascending); None when the best point is at the edge or the points curve down.
+    Two nearly equal best points say the optimum lies between them; this says where."""
+    best = min(range(len(losses)), key=losses.__getitem__)
+    if best in (0, len(losses) - 1):
+        return None
+    x = [math.log2(lr) for lr in lrs[best - 1:best + 2]]
+    a, b, _ = np.polyfit(x, losses[best - 1:best + 2], 2)
+    return 2 ** (-b / (2 * a)) if a > 0 else None

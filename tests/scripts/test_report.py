@@ -1,6 +1,7 @@
 """The comparison report on real tiny runs (baseline and Block), plus copies of them edited into a
 block-size sweep and a three-size scaling grid; the power-law fit on a known law."""
 import json
+import math
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import fast_train_overrides
 from parallel.dims import init_distributed
 from scripts.report import build_report
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law, noise_verdict
+from scripts.report.sweeps import parabola_minimum
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
@@ -107,7 +109,8 @@ def test_report_draws_the_lr_sweep_with_each_variants_best(tmp_path, tiny_runs):
     text = report.read_text()
     assert (report.parent / "lr_sweep.png").stat().st_size > 1000
     base = final_val_loss(tiny_runs["baseline"])
-    assert f"- xs baseline init=scaled: best lr 0.003; mean final loss by lr: 0.001: {base * 1.02:.4f}" in text
+    assert "- xs baseline init=scaled: best lr 0.003; a parabola in log lr through it and its neighbours has its " \
+           f"minimum at 0.00" in text and f"mean final loss by lr: 0.001: {base * 1.02:.4f}" in text
     assert "| xs lr=0.01 | block S=2 |" in text
     # Each lr's Block row is compared with the baseline at the same lr (equal scales: the unscaled difference).
     diff = final_val_loss(tiny_runs["block"]) - base
@@ -158,3 +161,11 @@ def test_sanity_panel_borrows_the_seed_spread_of_its_size_for_a_single_seed_cont
     flat_line = next(line for line in panel.splitlines() if line.startswith("- xs init=flat:"))
     scaled_line = next(line for line in panel.splitlines() if line.startswith("- xs init=scaled:"))
     assert "Warning" in flat_line and "consistent with the paper" in scaled_line
+
+
+def test_parabola_minimum_finds_the_optimum_between_two_tied_points():
+    lrs = [1e-3, 2e-3, 4e-3, 8e-3]
+    optimum = 2 ** 1.5 * 1e-3  # halfway between 2e-3 and 4e-3 in log2
+    losses = [5 + 0.03 * (math.log2(lr) - math.log2(optimum)) ** 2 for lr in lrs]
+    assert parabola_minimum(lrs, losses) == pytest.approx(optimum, rel=1e-9)
+    assert parabola_minimum(lrs, sorted(losses)) is None  # best at the edge: no bracket
