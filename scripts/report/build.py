@@ -60,7 +60,7 @@ def moe_section(groups: list[Group], out_dir: Path) -> list[str]:
     for group in groups:
         tails = []
         for run in group.runs:
-            values = [r["moe_load_imbalance"] for r in run.metrics if "moe_load_imbalance" in r]
+            values = [imbalance for _, imbalance in run.moe_curve]
             tails += values[len(values) * 3 // 4:]
         if tails:
             lines.append(f"- {group.size} {group.variant}: max/mean expert load over the last quarter of logged "
@@ -75,8 +75,8 @@ def lr_section(groups: list[Group], out_dir: Path) -> list[str]:
         return []
     lines = ["## Learning-rate sweep", "", image(sweeps.lr_sweep(families, out_dir / "lr_sweep.png"), "lr sweep"), ""]
     for name, members in families.items():
-        best = min(members, key=lambda g: statistics.fmean(sweeps.final_losses(g)))
         means = [statistics.fmean(sweeps.final_losses(g)) for g in members]
+        best = members[means.index(min(means))]
         losses = ", ".join(f"{g.lr:g}: {mean:.4f}" for g, mean in zip(members, means))
         edge = " (at the edge of the sweep: widen it)" if best in (members[0], members[-1]) else ""
         vertex = sweeps.parabola_minimum([g.lr for g in members], means)

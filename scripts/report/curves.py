@@ -46,7 +46,7 @@ def moe_imbalance(groups: list[Group], path: Path) -> Path | None:
     drawn = False
     for group in groups:
         for run in group.runs:
-            points = [(r["step"], r["moe_load_imbalance"]) for r in run.metrics if "moe_load_imbalance" in r]
+            points = run.moe_curve
             if points:
                 drawn = True
                 ax.plot(*zip(*points), color=colors[group.variant],

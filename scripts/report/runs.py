@@ -127,8 +127,14 @@ class Run:
 
     def recipe(self, keys: list[str]) -> str:
         """'lr=0.001 init=flat' for the given RECIPE keys ('' for none)."""
-        return " ".join(f"{key}={RECIPE[key](self.config):g}" if isinstance(RECIPE[key](self.config), float)
-                        else f"{key}={RECIPE[key](self.config)}" for key in keys)
+        values = {key: RECIPE[key](self.config) for key in keys}
+        return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                        for key, value in values.items())
+
+    @property
+    def moe_curve(self) -> list[tuple[int, float]]:
+        """(step, max/mean expert load) at every logged step of an MoE model."""
+        return [(r["step"], r["moe_load_imbalance"]) for r in self.metrics if "moe_load_imbalance" in r]
 
     @property
     def step_time(self) -> float | None:

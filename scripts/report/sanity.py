@@ -9,12 +9,11 @@
 """
 from __future__ import annotations
 
-import math
 import statistics
 
 from scripts.report.depth import mean_record
 from scripts.report.runs import Group
-from scripts.report.stats import NOISE_SIGMAS, pooled_std
+from scripts.report.stats import NOISE_SIGMAS, pooled_std, pooled_std_of
 from scripts.report.sweeps import final_losses
 
 
@@ -27,13 +26,7 @@ def seed_spread(a: list[float], b: list[float], same_size: list[list[float]]) ->
     """The pooled std of the two groups; when either has a single seed, the pooled std of every group of
     the same model size that has two or more (seed noise depends on the size and budget, not the group)."""
     pooled = pooled_std(a, b)
-    if pooled is not None:
-        return pooled
-    seeded = [losses for losses in same_size if len(losses) > 1]
-    if not seeded:
-        return None
-    dof = sum(len(losses) - 1 for losses in seeded)
-    return math.sqrt(sum((len(losses) - 1) * statistics.variance(losses) for losses in seeded) / dof)
+    return pooled if pooled is not None else pooled_std_of(same_size)
 
 
 def one_block_lines(groups: list[Group]) -> list[str]:

@@ -18,8 +18,16 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
 def pooled_std(a: list[float], b: list[float]) -> float | None:
     if len(a) < 2 or len(b) < 2:
         return None
-    dof = len(a) + len(b) - 2
-    return math.sqrt(((len(a) - 1) * statistics.variance(a) + (len(b) - 1) * statistics.variance(b)) / dof)
+    return pooled_std_of([a, b])
+
+
+def pooled_std_of(samples: list[list[float]]) -> float | None:
+    """The std pooled over every sample with two or more values (None when there is none)."""
+    seeded = [values for values in samples if len(values) > 1]
+    if not seeded:
+        return None
+    dof = sum(len(values) - 1 for values in seeded)
+    return math.sqrt(sum((len(values) - 1) * statistics.variance(values) for values in seeded) / dof)
 
 
 def noise_verdict(values: list[float], baseline: list[float]) -> str:
