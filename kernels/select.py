@@ -20,15 +20,22 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_refusal(on_cuda: bool) -> str | None:
+    """Why impl='triton' cannot run here (None when it can): checked before any work by the config."""
+    if not triton_available():
+        return "impl='triton' needs the triton package (pip install -e '.[gpu]')"
+    if not on_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+        return "impl='triton' on CPU tensors runs only under TRITON_INTERPRET=1 (the Triton interpreter)"
+    return None
+
+
 def use_triton(impl: str, tensor: torch.Tensor) -> bool:
     if impl == "reference":
         return False
     if impl == "triton":
-        if not triton_available():
-            raise ImportError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
-        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
-            raise RuntimeError("impl='triton' on CPU tensors runs only under TRITON_INTERPRET=1 "
-                               "(the Triton interpreter)")
+        refusal = triton_refusal(tensor.is_cuda)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         return True
     if impl == "auto":
         return tensor.is_cuda and triton_available()

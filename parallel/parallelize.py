@@ -183,8 +183,9 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
 
 
 def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:
-    """Norm of the whole model's gradient, then clip: slices are summed over the group that splits
-    them (tp or ep), and the stages' disjoint parameters over the pipeline group."""
+    """Norm of the whole model's gradient, then clip to max_norm (0: measure only, as Megatron's
+    clip_grad=0): slices are summed over the group that splits them (tp or ep), and the stages'
+    disjoint parameters over the pipeline group."""
     device = next(model.parameters()).device
     squares = {kind: torch.zeros((), device=device) for kind in ("tp", "ep", None)}
     grads = []
@@ -195,7 +196,7 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
     local = (squares[None] + _all_reduce(squares["tp"], layout.tp_group)
              + _all_reduce(squares["ep"], layout.ep_group))
     norm = math.sqrt(_all_reduce(local, layout.pp_group).item())
-    if math.isfinite(norm) and norm > max_norm:
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
     return norm

@@ -6,13 +6,14 @@ and what is allowed, raised before any work starts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kernels.select import IMPLS
+from kernels.select import IMPLS, triton_refusal
 from model.config import ModelConfig
 from model.init import INIT_SCHEMES
 
@@ -123,14 +124,31 @@ CHOICES = {
     "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),
 }
 
-POSITIVE = (
-    "model.vocab_size", "model.d_model", "model.n_blocks", "model.n_heads", "model.dense_inter",
-    "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel", "model.kda.chunk_size",
-    "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
-    "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
-    "variant.streams", "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch",
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last", "train.diag_every",
-    "train.max_bad_steps", "optim.lr", "parallel.pp", "parallel.vp",
+# Every numeric setting's range, as (keys, test, what is allowed). NaN fails every test; inf fails
+# the finite ones. Bounds of the same kind share a row so the error wording stays uniform.
+RANGES = (
+    (("model.vocab_size", "model.d_model", "model.n_blocks", "model.n_heads", "model.dense_inter",
+      "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel", "model.kda.chunk_size",
+      "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
+      "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
+      "variant.streams", "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch",
+      "train.log_every", "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last",
+      "train.diag_every", "train.max_bad_steps", "parallel.pp", "parallel.vp", "parallel.tp", "parallel.ep"),
+     lambda v: v > 0, "must be positive"),
+    (("model.init_std", "model.norm_eps", "model.moe.routed_scaling_factor", "optim.lr", "optim.eps",
+      "optim.muon_lr"),
+     lambda v: 0 < v < math.inf, "must be a positive finite number"),
+    (("model.n_dense_layers", "model.mla.qk_rope_head_dim", "model.moe.n_shared_experts",
+      "train.warmup_steps", "seed"),
+     lambda v: v >= 0, "must be >= 0"),
+    (("model.moe.bias_update_rate", "model.moe.aux_loss_coef", "optim.weight_decay"),
+     lambda v: 0 <= v < math.inf, "must be a finite number >= 0"),
+    (("train.grad_clip",),
+     lambda v: 0 <= v < math.inf, "must be a finite number >= 0 (the max gradient norm; 0 turns clipping off)"),
+    (("train.min_lr_ratio", "train.decay_fraction"),
+     lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    (("optim.muon_momentum", "optim.betas.0", "optim.betas.1"),
+     lambda v: 0 <= v < 1, "must be in [0, 1)"),
 )
 
 
@@ -138,7 +156,7 @@ def _get(cfg: Config, dotted: str):
     # Users set residual options under `variant.`; they live on model.residual.
     value = cfg.model.residual if dotted.startswith("variant.") else cfg
     for part in dotted.split(".")[1:] if dotted.startswith("variant.") else dotted.split("."):
-        value = getattr(value, part)
+        value = value[int(part)] if part.isdigit() else getattr(value, part)
     return value
 
 
@@ -147,11 +165,20 @@ def validate(cfg: Config) -> Config:
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not valid; allowed: {' | '.join(allowed)}")
-    for key in POSITIVE:
-        value = _get(cfg, key)
-        if value <= 0:
-            raise ConfigError(f"{key}={value!r} must be positive")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas={cfg.optim.betas} must be two numbers [beta1, beta2]")
+    for keys, in_range, allowed in RANGES:
+        for key in keys:
+            value = _get(cfg, key)
+            if not in_range(value):
+                raise ConfigError(f"{key}={value!r} {allowed}")
     m, r = cfg.model, cfg.model.residual
+    if m.kernel_impl == "triton":
+        import torch
+
+        refusal = triton_refusal(on_cuda=torch.cuda.is_available())
+        if refusal is not None:
+            raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
     if m.d_model % r.heads:
         raise ConfigError(f"variant.heads={r.heads} must divide model.d_model={m.d_model}")
     if r.block_size is not None and r.block_size < 1:
@@ -171,14 +198,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}")
     if t.stop_after is not None and t.stop_after < 1:
         raise ConfigError(f"train.stop_after={t.stop_after} must be a positive number of steps or null")
-    if not 0 <= t.decay_fraction <= 1:
-        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
     p = cfg.parallel
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
-    for key, value in (("parallel.tp", p.tp), ("parallel.ep", p.ep)):
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be a positive number of ranks")
     if p.tp > 1:
         for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter),
                            ("train.seq_len", t.seq_len)):

@@ -38,6 +38,19 @@ def test_every_model_and_variant_composes(model, variant):
     ("train.global_batch=12", "train.global_batch=12 must be a multiple of train.micro_batch=8"),
     ("variant.nonsense=1", "nonsense"),
     ("model.moe.top_k=9", "model.moe.top_k=9 exceeds model.moe.n_routed_experts=8"),
+    ("train.grad_clip=-1", "train.grad_clip=-1.0 must be a finite number >= 0 (the max gradient norm; 0 turns clipping off)"),
+    ("train.warmup_steps=-5", "train.warmup_steps=-5 must be >= 0"),
+    ("train.min_lr_ratio=5", "train.min_lr_ratio=5.0 must be in [0, 1]"),
+    ("optim.weight_decay=-3", "optim.weight_decay=-3.0 must be a finite number >= 0"),
+    ("optim.lr=nan", "optim.lr=nan must be a positive finite number"),
+    ("optim.lr=inf", "optim.lr=inf must be a positive finite number"),
+    ("optim.betas=[0.9,1.5]", "optim.betas.1=1.5 must be in [0, 1)"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers"),
+    ("optim.eps=0", "optim.eps=0.0 must be a positive finite number"),
+    ("++model.init_std=-0.02", "model.init_std=-0.02 must be a positive finite number"),
+    ("model.moe.bias_update_rate=-1e-2", "model.moe.bias_update_rate=-0.01 must be a finite number >= 0"),
+    ("seed=-1", "seed=-1 must be >= 0"),
+    ("++parallel.ep=0", "parallel.ep=0 must be positive"),
 ])
 def test_invalid_value_fails_with_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as error:
@@ -45,6 +58,16 @@ def test_invalid_value_fails_with_one_clear_line(override, fragment):
     message = str(error.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def test_triton_kernels_on_cpu_are_refused_before_any_work(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError) as error:
+        load_config(["model.kernel_impl=triton"])
+    assert str(error.value) == ("model.kernel_impl=triton: impl='triton' on CPU tensors runs only under "
+                                "TRITON_INTERPRET=1 (the Triton interpreter); use model.kernel_impl=auto or reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert load_config(["model.kernel_impl=triton"]).model.kernel_impl == "triton"
 
 
 def test_sizes_have_the_documented_parameter_counts():
