@@ -12,7 +12,9 @@ setup(
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "numpy>=1.24",
-        "tokenizers>=0.19",
+        "tokenizers>=0.20",  # Tokenizer.encode_batch_fast (trainer/data/prepare.py)
+        # trainer.export / trainer.generate: weights in a format that holds only tensors (no pickle).
+        "safetensors>=0.4",
         "tqdm>=4.66",
         "wandb>=0.17",
         # scripts/report: the comparison report's figures (Agg backend, no display needed).

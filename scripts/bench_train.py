@@ -35,7 +35,6 @@ def main() -> None:
             cfg = load_config([f"model={args.model}", f"variant={variant}", f"run.dir={Path(tmp) / variant}",
                                "logging.wandb.mode=disabled", "train.diag_every=1000000", *args.overrides])
             trainers[variant] = Trainer(cfg, info)
-            trainers[variant].run_dir.mkdir(parents=True)
             loggers[variant] = MetricsLogger(cfg, trainers[variant].run_dir, True, 0)
             loggers[variant].bar.disable = True
         for trainer in trainers.values():  # warm-up

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from scripts.prepare_data import prepare_text_corpus
+from trainer.data import prepare_text_corpus
 
 
 

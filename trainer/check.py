@@ -1,4 +1,5 @@
-"""Pre-flight: validate the config and prepare the data in one process, before torchrun starts ranks.
+"""Pre-flight: validate the config, check the run directory (writable, not in use, room for a checkpoint)
+and prepare the data in one process, before torchrun starts ranks.
 
     python -m trainer.check --nproc 2 [hydra overrides]
 """
@@ -6,9 +7,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+import torch
+
+from model import build_model
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.data import num_windows, open_dataset, resolve_dataset
+from trainer.lock import check_run_dir
+
+
+def count_parameters(cfg) -> int:
+    """The whole model's parameter count, without allocating it (meta tensors)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg).parameters())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.overrides)
         train = cfg.train
         validate_layout(cfg, args.nproc)
-        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
+        check_run_dir(Path(cfg.run.dir).resolve(), count_parameters(cfg))  # RunDirError is a RuntimeError
+        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
         data = open_dataset(resolved, "train", cfg.model.vocab_size)
         if num_windows(len(data), train.seq_len) < train.global_batch:
             raise ConfigError(f"train.seq_len={train.seq_len}: {len(data)} training tokens hold fewer windows "

@@ -1,16 +1,29 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): save, find, validate, load.
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, find, verify, load.
 
 One checkpoint is <run_dir>/checkpoints/step_00000100/ holding
   .metadata, *.distcp    DCP shards of the model, the optimizers and the LR scheduler
-  extra/rank_<r>.pt      per-rank trainer state (data position, RNG states, ...), torch.save'd
-  meta.json              step, world_size, model_fingerprint, time
+  extra/rank_<r>.json    per-rank trainer state (data position, RNG states, ...) as JSON values
+  meta.json              step, world_size, model_fingerprint, config, format, and `files`: the size and
+                         sha256 of every other file of the checkpoint, by path relative to it
 Everything is written under checkpoints/.tmp-step_00000100 and renamed into place by rank 0 once every
-rank has finished, so a directory named step_* is always complete and a run killed mid-write keeps its
-previous checkpoints. Works in a single process (no process group) and with one, e.g. DDP over gloo.
+rank has finished; meta.json is written last, so a step_* directory with a meta.json is complete, and a
+run killed mid-write keeps its previous checkpoints. Works in a single process (no process group) and
+with one, e.g. DDP over gloo; under torchrun the ranks split the hashing (rank r hashes every r-th file).
+
+Nothing is unpickled from a run: extra files are JSON, DCP's `.metadata` is unpickled with an allowlist
+of DCP's own metadata classes and its non-tensor entries with torch.load(weights_only=True)
+(trainer/safe_dcp.py). Before loading touches any weight, every file listed in meta.json is checked for
+its size and sha256 (the ranks split this too and agree before any of them goes on), which catches
+truncated, zeroed, overwritten or missing files. sha256 because it is the standard (`sha256sum` checks a
+file by hand) and hashes at disk speed; a checksum detects damage, it does not authenticate: whoever can
+rewrite the files can rewrite meta.json, hence the unpickling restrictions. meta.json itself carries no
+checksum; a truncated one does not parse. Checkpoints of the earlier format (pickled extra/rank_<r>.pt, no
+checksums) are refused, since reading them means unpickling.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -32,29 +45,53 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model.config import ModelConfig
+from trainer.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step_(\d{8})")
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
+EXTRA_DIR = "extra"
+FORMAT = 2  # 1 (unnumbered): pickled extra/rank_<r>.pt and no checksums
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, unreadable or from another model; the message is one line."""
+    """A checkpoint that is missing, incomplete, corrupt, unreadable or from another model; the message is one line."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint of the earlier, pickled format; resume=auto stops at it rather than skip past it."""
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:08d}"
 
 
+def _extra_file(rank: int) -> str:
+    return f"{EXTRA_DIR}/rank_{rank}.json"
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def _gather(value) -> list:
+    """Every rank's `value` (JSON-like), in rank order, on every rank."""
+    if not _distributed():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 @contextmanager
@@ -96,18 +133,75 @@ def _dcp_state(model: nn.Module, optimizers: list, scheduler, shards) -> dict:
     return state
 
 
+# -- checksums -------------------------------------------------------------------------------------
+
+def _file_record(file: Path) -> dict:
+    with file.open("rb") as stream:
+        return {"bytes": file.stat().st_size, "sha256": hashlib.file_digest(stream, "sha256").hexdigest()}
+
+
+def _hash_files(checkpoint: Path) -> dict[str, dict]:
+    """Size and sha256 of every file of a written checkpoint but meta.json; each rank hashes every
+    world_size-th file and all ranks get the whole table."""
+    rank, world = _rank_and_world()
+    names = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
+    names = [name for name in names if name != META_FILE]
+    mine = {name: _file_record(checkpoint / name) for name in names[rank::world]}
+    return {name: record for part in _gather(mine) for name, record in part.items()}
+
+
+def _files_problem(checkpoint: Path, files: dict[str, dict]) -> str | None:
+    """Why a file of `files` (name -> meta.json's record) is not as recorded, or None. Sizes first: a
+    missing or truncated file is found without hashing the others."""
+    for name, recorded in files.items():
+        file = checkpoint / name
+        if not file.is_file():
+            return f"is incomplete: missing {name}"
+        size = file.stat().st_size
+        if size != recorded["bytes"]:
+            return (f"is corrupt: {name} is {size} bytes, {META_FILE} records {recorded['bytes']} "
+                    "(truncated or overwritten)")
+    for name, recorded in files.items():
+        if _file_record(checkpoint / name)["sha256"] != recorded["sha256"]:
+            return (f"is corrupt: {name} does not match its sha256 in {META_FILE} "
+                    "(its bytes changed after it was written)")
+    return None
+
+
+# -- finding checkpoints ---------------------------------------------------------------------------
+
 def _complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """Complete checkpoints under checkpoints_dir, oldest first."""
+    """Checkpoints under checkpoints_dir whose meta.json was written (the last file of a save), oldest first."""
     if not checkpoints_dir.is_dir():
         return []
-    found = [p for p in checkpoints_dir.iterdir()
-             if STEP_DIR.fullmatch(p.name) and (p / META_FILE).is_file() and (p / DCP_METADATA).is_file()]
+    found = [p for p in checkpoints_dir.iterdir() if STEP_DIR.fullmatch(p.name) and (p / META_FILE).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
-def _prune(checkpoints_dir: Path, keep_last: int) -> None:
-    complete = _complete_checkpoints(checkpoints_dir)
-    for old in complete[: max(0, len(complete) - keep_last)]:
+PINNED_FILE = "pinned.json"  # a JSON list of checkpoint names _prune never removes
+
+
+def pin_checkpoint(run_dir: str | Path, step: int) -> None:
+    """Keep the checkpoint of `step` past keep_last, whether or not it is written yet (the trainer pins a
+    wsd run's pre-decay checkpoint, the one such a run can be extended from)."""
+    pinned_file = Path(run_dir) / CHECKPOINTS_DIR / PINNED_FILE
+    names = pinned_names(pinned_file.parent) | {checkpoint_path(run_dir, step).name}
+    pinned_file.parent.mkdir(parents=True, exist_ok=True)
+    pinned_file.write_text(json.dumps(sorted(names)) + "\n")
+
+
+def pinned_names(checkpoints_dir: Path) -> set[str]:
+    pinned_file = checkpoints_dir / PINNED_FILE
+    return set(json.loads(pinned_file.read_text())) if pinned_file.is_file() else set()
+
+
+def _prune(checkpoints_dir: Path, keep_last: int, saved: Path) -> None:
+    """Keep the `keep_last` newest checkpoints up to the one just saved. Checkpoints of later steps exist
+    only when this run resumed from an older one (e.g. past a corrupt newest checkpoint): they are neither
+    counted nor allowed to push out the one just saved (saving their step again replaces them)."""
+    pinned = pinned_names(checkpoints_dir)
+    kept = [p for p in _complete_checkpoints(checkpoints_dir) if p.name <= saved.name and p.name not in pinned]
+    for old in kept[: max(0, len(kept) - keep_last)]:
         shutil.rmtree(old)
     # Leftovers of saves killed mid-write; the save in progress has already been renamed.
     for stale in checkpoints_dir.glob(TMP_PREFIX + "*"):
@@ -116,22 +210,24 @@ def _prune(checkpoints_dir: Path, keep_last: int) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list, scheduler,
                     extra: dict, meta: dict, keep_last: int, shards=None) -> Path:
-    """Every rank calls this. `extra` is this rank's own state; `meta` (from rank 0) should carry
-    model_fingerprint; step, world_size and time are added. Returns the checkpoint directory."""
+    """Every rank calls this. `extra` is this rank's own state, made of JSON values (dict, list, str,
+    int, float, bool, None; tuples come back as lists); `meta` (from rank 0) should carry
+    model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory."""
     _refuse_non_finite(model, step)
-    rank = dist.get_rank() if _distributed() else 0
+    rank, world = _rank_and_world()
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save of this step killed mid-write
-        (tmp / "extra").mkdir(parents=True)
+        (tmp / EXTRA_DIR).mkdir(parents=True)
     _barrier()
     with _single_process_is_fine():
         dcp.save(_dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
-    torch.save(extra, tmp / "extra" / f"rank_{rank}.pt")
+    (tmp / _extra_file(rank)).write_text(json.dumps(extra))
     _barrier()
+    files = _hash_files(tmp)
     if rank == 0:
-        meta = {**meta, "step": step, "world_size": dist.get_world_size() if _distributed() else 1,
+        meta = {**meta, "step": step, "world_size": world, "format": FORMAT, "files": files,
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():
@@ -139,13 +235,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
             # pruned, so a kill between the two renames still leaves a complete checkpoint of this step.
             final.rename(final.with_name(f"{TMP_PREFIX}replaced-{final.name}"))
         tmp.rename(final)
-        _prune(final.parent, keep_last)
+        _prune(final.parent, keep_last, final)
     _barrier()
     return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (has meta.json and DCP .metadata), or None."""
+    """The newest complete checkpoint of a run (it has its meta.json; not verified), or None."""
     complete = _complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
     return complete[-1] if complete else None
 
@@ -167,18 +263,73 @@ def resolve_checkpoint(path_or_run_dir: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict:
-    """meta.json of a checkpoint, after checking every part of it is present."""
+    """meta.json of a checkpoint, after checking it is of this format and every file it lists is present
+    (their checksums are verify_checkpoint's job)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    missing = [name for name in (META_FILE, DCP_METADATA, "extra/rank_0.pt") if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {META_FILE}")
     try:
-        return json.loads((path / META_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text())
     except ValueError as error:
         raise CheckpointError(f"checkpoint {path} has an unreadable {META_FILE}: {error}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        raise CheckpointFormatError(
+            f"checkpoint {path} is not in checkpoint format {FORMAT}: the earlier format (pickled "
+            f"{EXTRA_DIR}/rank_N.pt, no checksums) is no longer loaded, since reading it means unpickling; "
+            "start a new run.dir")
+    # A checkpoint always has these two, so they must be listed too.
+    required = dict.fromkeys([DCP_METADATA, _extra_file(0), *meta["files"]])
+    missing = [name for name in required if name not in meta["files"] or not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+    return meta
 
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """meta.json of a checkpoint after checking every file it lists against its size and sha256; raise a
+    one-line CheckpointError naming the first bad file otherwise. Collective under torchrun: the ranks
+    split the files and every rank raises (or returns) together."""
+    path = Path(path)
+    rank, world = _rank_and_world()
+    meta, problem = None, None
+    try:
+        meta = read_meta(path)
+        share = {name: meta["files"][name] for name in sorted(meta["files"])[rank::world]}
+        found = _files_problem(path, share)
+        if found is not None:
+            problem = ("corrupt", f"checkpoint {path} {found}")
+    except CheckpointFormatError as error:
+        problem = ("format", str(error))
+    except CheckpointError as error:
+        problem = ("corrupt", str(error))
+    first = next((p for p in _gather(problem) if p is not None), None)
+    if first is not None:
+        kind, message = first
+        raise (CheckpointFormatError if kind == "format" else CheckpointError)(message)
+    return meta
+
+
+def newest_verified_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint of the run that verifies, or None; [(checkpoint, why), ...] for the newer
+    ones that do not). A checkpoint of the earlier format stops the search with CheckpointFormatError:
+    skipping past it would quietly restart the run from an older step or from scratch. Collective under
+    torchrun."""
+    skipped = []
+    for candidate in reversed(_complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)):
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointFormatError:
+            raise
+        except CheckpointError as error:
+            skipped.append((candidate, str(error)))
+            continue
+        return candidate, skipped
+    return None, skipped
+
+
+# -- loading ---------------------------------------------------------------------------------------
 
 def _one_line(error: BaseException) -> str:
     # DCP gathers per-rank failures, as (exception, traceback) pairs, into a CheckpointException whose
@@ -191,25 +342,38 @@ def _one_line(error: BaseException) -> str:
     return f"{prefix}{type(error).__name__}" + (f": {lines[0]}" if lines else "")
 
 
+def _read_extra(path: Path, meta: dict, rank: int) -> dict:
+    """This rank's extra file; a rank without one (the world size changed) gets rank 0's."""
+    name = _extra_file(rank) if _extra_file(rank) in meta["files"] else _extra_file(0)
+    try:
+        return json.loads((path / name).read_text())
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {path}: {name} could not be read ({error})") from None
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, scheduler, rank: int,
-                    fingerprint: str | None = None, shards=None) -> tuple[dict, dict]:
+                    fingerprint: str | None = None, shards=None, verify: bool = True) -> tuple[dict, dict]:
     """Load model, optimizers and scheduler in place; return (this rank's extra, meta).
 
-    Pass optimizers=[] and scheduler=None to load the model only. With `fingerprint`, a checkpoint of
-    another model is refused (check_compatible) before any weight is touched. A rank without its own
-    extra file (the world size changed) gets rank 0's; meta["world_size"] tells the caller.
+    Pass optimizers=[] and scheduler=None to load the model only. Before any weight is touched the
+    checkpoint is verified (verify_checkpoint; pass verify=False only for one newest_verified_checkpoint
+    just returned) and, with `fingerprint`, a checkpoint of another model is refused (check_compatible).
+    A rank without its own extra file (the world size changed) gets rank 0's; meta["world_size"] tells the caller.
     """
     path = Path(path)
-    meta = read_meta(path)
+    meta = verify_checkpoint(path) if verify else read_meta(path)
     if fingerprint is not None:
         check_compatible(meta, fingerprint, path)
-    extra_file = path / "extra" / f"rank_{rank}.pt"
-    if not extra_file.is_file():
-        extra_file = path / "extra" / "rank_0.pt"
+    extra = _read_extra(path, meta, rank)
+    reader = SafeFileSystemReader(path)
+    try:
+        reader.read_metadata()  # refuse a bad .metadata here, in one line, before DCP's collectives
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
     state = _dcp_state(model, optimizers, scheduler, shards)
     try:
         with _single_process_is_fine():
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be read ({_one_line(error)})") from error
     if shards is not None:
@@ -218,11 +382,6 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
-    try:
-        # Our own file of RNG states and plain Python values, which the weights-only unpickler refuses.
-        extra = torch.load(extra_file, weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: {extra_file.name} could not be read ({_one_line(error)})") from error
     return extra, meta
 
 

@@ -48,6 +48,7 @@ class TrainConfig:
     warmup_steps: int = 10
     decay_fraction: float = 0.2
     min_lr_ratio: float = 0.1
+    allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
 
 
 @dataclass
@@ -65,6 +66,7 @@ class OptimConfig:
 class DataConfig:
     path: str | None = None
     cache_dir: str | None = None
+    tokenizer: str | None = None      # a tokenizers tokenizer.json to use instead of training a BPE
 
 
 @dataclass

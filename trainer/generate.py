@@ -1,12 +1,26 @@
-"""Generate text from a checkpoint: `python -m trainer.generate checkpoint=RUN_OR_CKPT prompt="..." ...`
+"""Generate text from an exported model: `python -m trainer.generate model=EXPORT_DIR prompt="..." ...`
 
-checkpoint= takes a run directory (its newest checkpoint) or one checkpoint directory; the run's
-trained tokenizer (tokenizer.json in the run directory, copied there by the trainer) encodes the
-prompt. Options: max_new_tokens=64 temperature=0 (greedy) top_p=1.0 prefill_chunk=0 (whole prompt)
-seed=0 variant= (optional: refuse a checkpoint of another residual variant) tokenizer=PATH.
+First export a checkpoint of your own run: `python -m trainer.export checkpoint=runs/train out=runs/train/export`.
+Generation loads only the export (model.safetensors + config.json: plain tensors and JSON, nothing that
+runs code), never a training checkpoint, so an export from elsewhere is safe to load.
+
+Options (key=value, default after the =):
+  model=            (required) an export directory written by trainer.export
+  checkpoint=       the older name of model=, still accepted
+  prompt=           (required) the text to continue, encoded with the export's tokenizer
+  max_new_tokens=64 tokens to generate (> 0); prompt + max_new_tokens must fit the trained context
+                    (train.seq_len in the export's config.json)
+  temperature=0.0   0 is greedy; > 0 samples from softmax(logits / temperature)
+  top_p=1.0         nucleus sampling: keep the most likely tokens up to this mass, in (0, 1]
+  prefill_chunk=0   prompt tokens per prefill step (>= 0; 0 prefills the whole prompt at once)
+  seed=0            sampling seed (>= 0)
+  variant=          optional: refuse an export of another residual variant (baseline|full|block|mhc)
+  tokenizer=        tokenizer.json to use instead of the one in the export directory
 """
 from __future__ import annotations
 
+import math
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +31,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from model import build_model
 from model.generation import generate
-from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from trainer.checkpoint import CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR
 from trainer.config import Config
+from trainer.export import (CONFIG_FILE, HELP_FLAGS, MODEL_FILE, TOKENIZER_FILE, ExportError,
+                            load_exported_weights, parse_key_values, read_export_config)
 
 
 @dataclass
 class GenerateArgs:
+    model: str | None = None
     checkpoint: str | None = None
     prompt: str | None = None
     max_new_tokens: int = 64
@@ -38,23 +55,74 @@ class GenerateError(ValueError):
     """Bad input to generation; the message is one line."""
 
 
-def load_for_inference(checkpoint: str, variant: str | None = None):
-    """(model, config, checkpoint path) from a run directory or a checkpoint directory."""
-    path = resolve_checkpoint(checkpoint)
-    meta = read_meta(path)
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+def validate(args: GenerateArgs) -> tuple[str, str]:
+    """Check every option that needs no file; returns (key, export directory) as given."""
+    if args.model and args.checkpoint and args.model != args.checkpoint:
+        raise GenerateError(f"model={args.model} and checkpoint={args.checkpoint} disagree; checkpoint= is an alias "
+                            "of model=, give one")
+    key, export_dir = ("model", args.model) if args.model else ("checkpoint", args.checkpoint)
+    if not export_dir:
+        raise GenerateError("model= is required: an export directory written by python -m trainer.export")
+    if not args.prompt:
+        raise GenerateError("prompt= is empty; give the text to continue")
+    checks = (
+        ("max_new_tokens", args.max_new_tokens, args.max_new_tokens > 0, "must be positive"),
+        ("temperature", args.temperature, 0 <= args.temperature < math.inf,
+         "must be a finite number >= 0 (0 is greedy)"),
+        ("top_p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("prefill_chunk", args.prefill_chunk, args.prefill_chunk >= 0,
+         "must be >= 0 (0 prefills the whole prompt at once)"),
+        ("seed", args.seed, args.seed >= 0, "must be >= 0"),
+    )
+    for name, value, allowed, rule in checks:
+        if not allowed:
+            raise GenerateError(f"{name}={value} {rule}")
+    return key, export_dir
+
+
+def _export_command(path: Path) -> str:
+    """The trainer.export command for a run or checkpoint directory, writing next to the run's files."""
+    if STEP_DIR.fullmatch(path.name) and path.parent.name == CHECKPOINTS_DIR:
+        out = path.parent.parent / f"export-{path.name}"
+    else:
+        out = path / "export"
+    return f"python -m trainer.export checkpoint={shlex.quote(str(path))} out={shlex.quote(str(out))}"
+
+
+def find_export(key: str, given: str) -> Path:
+    """The export directory `given` as `key`=; a training run or checkpoint is refused without reading any of it."""
+    path = Path(given)
+    if not path.exists():
+        raise GenerateError(f"{key}={path} does not exist; give an export directory written by "
+                            "python -m trainer.export")
+    if (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file():
+        return path
+    if (path / CHECKPOINTS_DIR).is_dir() or (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
+        raise GenerateError(f"{key}={path} is a training run or checkpoint, which generate does not load (DCP "
+                            "checkpoints are pickle-based, safe only from trusted sources); export it first with "
+                            f"`{_export_command(path)}` and pass that out= as model=")
+    missing = [name for name in (MODEL_FILE, CONFIG_FILE) if not (path / name).is_file()]
+    raise GenerateError(f"{key}={path} is not an export directory: missing {', '.join(missing)} "
+                        "(write one with python -m trainer.export)")
+
+
+def export_config(export_dir: Path, variant: str | None) -> Config:
+    described = read_export_config(export_dir)
+    try:
+        cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), described["config"]))
+    except OmegaConfBaseException as error:
+        raise GenerateError(f"{export_dir / CONFIG_FILE} is not a config of this trainer "
+                            f"({str(error).splitlines()[0]}); re-export with this version") from None
     if variant is not None and variant != cfg.model.residual.variant:
-        raise GenerateError(f"variant={variant} but checkpoint {path} holds a variant={cfg.model.residual.variant} "
-                            "model; drop variant= or pick a checkpoint of that variant")
-    model = build_model(cfg)
-    load_checkpoint(path, model, [], None, rank=0)
-    return model.eval(), cfg, path
+        raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.variant} "
+                            "model; drop variant= or pick an export of that variant")
+    return cfg
 
 
-def load_tokenizer(path: Path | None, checkpoint: Path):
+def load_tokenizer(path: str | None, export_dir: Path):
     from tokenizers import Tokenizer
 
-    candidate = Path(path) if path else checkpoint.parent.parent / "tokenizer.json"
+    candidate = Path(path) if path else export_dir / TOKENIZER_FILE
     if not candidate.is_file():
         raise GenerateError(f"tokenizer {candidate} not found; pass tokenizer=PATH to the tokenizer.json the run "
                             "was trained with")
@@ -64,39 +132,51 @@ def load_tokenizer(path: Path | None, checkpoint: Path):
         raise GenerateError(f"tokenizer {candidate} could not be read ({str(error).splitlines()[0]})") from None
 
 
-def run(args: GenerateArgs) -> str:
-    if not args.checkpoint:
-        raise GenerateError("checkpoint= is required: a run directory or a checkpoint directory")
-    if not args.prompt:
-        raise GenerateError("prompt= is empty; give the text to continue")
-    model, cfg, path = load_for_inference(args.checkpoint, args.variant)
-    tokenizer = load_tokenizer(args.tokenizer, path)
-    ids = tokenizer.encode(args.prompt).ids
+def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:
     context = cfg.train.seq_len
-    if len(ids) > context:
-        raise GenerateError(f"the prompt is {len(ids)} tokens, longer than the model's context of {context} "
-                            "(train.seq_len); shorten it")
+    if not ids:
+        raise GenerateError("the prompt encodes to no tokens; give text the tokenizer covers")
+    if len(ids) + max_new_tokens > context:
+        room = context - len(ids)
+        fix = f"lower max_new_tokens to {room} or shorten the prompt" if room > 0 else "shorten the prompt"
+        raise GenerateError(f"the prompt is {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
+                            f"{len(ids) + max_new_tokens}, beyond the model's trained context of {context} "
+                            f"(train.seq_len); {fix}")
     if max(ids) >= cfg.model.vocab_size:
         raise GenerateError(f"tokenizer produced id {max(ids)} outside the model's vocab of {cfg.model.vocab_size}; "
                             "is this the run's tokenizer?")
-    prompt = torch.tensor([ids])
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_p,
+
+
+def load_exported_model(export_dir: Path, cfg: Config):
+    model = build_model(cfg)
+    load_exported_weights(model, export_dir)
+    return model.eval()
+
+
+def run(args: GenerateArgs) -> str:
+    export_dir = find_export(*validate(args))
+    cfg = export_config(export_dir, args.variant)
+    tokenizer = load_tokenizer(args.tokenizer, export_dir)
+    ids = tokenizer.encode(args.prompt).ids
+    check_prompt(ids, args.max_new_tokens, cfg)
+    model = load_exported_model(export_dir, cfg)
+    out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_p,
                    args.prefill_chunk or None, seed=args.seed)
     return tokenizer.decode(out[0].tolist())
 
 
 def parse(argv: list[str]) -> GenerateArgs:
-    try:
-        overrides = OmegaConf.from_dotlist(argv)
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GenerateArgs), overrides))
-    except OmegaConfBaseException as error:
-        raise GenerateError(str(error).splitlines()[0]) from None
+    return parse_key_values(argv, GenerateArgs, GenerateError)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(__doc__.strip())
+        return
     try:
-        print(run(parse(sys.argv[1:] if argv is None else argv)))
-    except (GenerateError, CheckpointError) as error:
+        print(run(parse(argv)))
+    except (GenerateError, ExportError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 

@@ -1,11 +1,14 @@
-"""What the user sees: a progress bar and summary lines on rank 0, metrics.jsonl, diagnostics.jsonl, wandb."""
+"""What the user sees: summary lines on rank 0 (under a progress bar on a terminal), train.log,
+metrics.jsonl, diagnostics.jsonl, wandb."""
 from __future__ import annotations
 
+import datetime
 import json
-import os
 import math
+import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,8 +28,72 @@ def entropy(weights: list[float]) -> float:
     return -sum(w * math.log(w) for w in weights if w > 0)
 
 
+def finite_or_null(value):
+    """The value with every NaN and infinity replaced by None: JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def json_line(record: dict) -> str:
+    return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
+
+
+def _parse(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def keep_rows_up_to(path: Path, last_step: int) -> list[str]:
+    """Rewrite a JSON-lines file without the rows of steps after last_step (a resumed run logs them
+    again) and without a truncated last line (a run killed mid-write); rows without a step stay.
+    The rewrite goes to a temporary file that replaces the original, so a failure leaves it whole.
+    Returns one line per thing dropped, for the log."""
+    if not path.is_file():
+        return []
+    original = path.read_text()
+    kept, later = [], 0
+    for line in filter(str.strip, original.splitlines()):
+        row = _parse(line)
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, (int, float)) and step > last_step:
+            later += 1
+        else:
+            kept.append(line)
+    dropped = []
+    if later:
+        rows = "1 row" if later == 1 else f"{later} rows"
+        dropped.append(f"{path.name}: dropped {rows} after step {last_step} (this launch runs those steps again)")
+    if kept and _parse(kept[-1]) is None:
+        dropped.append(f"{path.name}: dropped a truncated last line (a run killed mid-write): {kept.pop()[:60]!r}")
+    text = "".join(line + "\n" for line in kept)
+    if text != original:
+        temporary = path.with_name(path.name + ".tmp")
+        with temporary.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    return dropped
+
+
+def format_duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes; other ranks hold a logger that does nothing.
+
+    Nothing in the run directory is created or changed until there is something to write, and a
+    launch that will not train (start_step >= train.steps) writes nothing at all: its lines go to
+    stderr only. The first row written in a launch first drops the rows a crashed launch logged
+    after the checkpoint this one resumed from, so every step appears once."""
 
     def __init__(self, cfg: Config, run_dir: Path, enabled: bool, start_step: int):
         self.enabled = enabled
@@ -34,11 +101,20 @@ class MetricsLogger:
         self.bar = None
         if not enabled:
             return
+        self.total_steps = cfg.train.steps
+        self.start_step = start_step
+        self.writes_files = start_step < cfg.train.steps
         self.metrics_path = run_dir / "metrics.jsonl"
         self.diagnostics_path = run_dir / "diagnostics.jsonl"
+        self.log_path = run_dir / "train.log"
+        self.rows_trimmed = False
+        self.launch_started = time.perf_counter()
+        self.steps_this_launch = 0
+        # Without a terminal (nohup, Slurm) a bar is only carriage returns in a file: the summary
+        # lines, which carry step/total and the ETA, are the progress there.
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step",
-                        dynamic_ncols=True, file=sys.stderr, disable=None)
-        if cfg.logging.wandb.mode != "disabled":
+                        dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
+        if cfg.logging.wandb.mode != "disabled" and self.writes_files:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
             from omegaconf import OmegaConf
@@ -49,32 +125,63 @@ class MetricsLogger:
                 resume="allow", id=_wandb_id(run_dir))
 
     def print(self, line: str) -> None:
-        if self.enabled:
-            (self.bar.write if self.bar is not None else print)(line, file=sys.stderr)
+        """To stderr (above the bar on a terminal) and, with a timestamp, to train.log."""
+        if not self.enabled:
+            return
+        if self.bar.disable:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            self.bar.write(line, file=sys.stderr)
+        if self.writes_files:
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            # Opened per line: a process killed with os._exit or SIGKILL loses no buffered line.
+            with self.log_path.open("a") as f:
+                f.write(f"{stamp} {line}\n")
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
         if self.enabled:
+            self.steps_this_launch += 1
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left at the mean wall time per step of this launch (evaluation and checkpoints included)."""
+        if not self.steps_this_launch:
+            return None
+        per_step = (time.perf_counter() - self.launch_started) / self.steps_this_launch
+        return per_step * max(self.total_steps - step, 0)
+
+    def summary(self, record: dict) -> None:
+        if self.enabled:
+            self.print(summary_line(record, self.total_steps, self.eta_s(record["step"])))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(self.metrics_path, record)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def log_diagnostics(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.diagnostics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(self.diagnostics_path, record)
         if self.wandb_run is not None:
             flat = {f"diag/output_rms/{k}": v for k, v in record["output_rms"].items()}
             flat.update({f"diag/grad_rms/{k}": v for k, v in record["grad_rms"].items()})
             flat.update({f"diag/depth_entropy/{k}": v for k, v in record.get("depth_entropy", {}).items()})
             self.wandb_run.log(flat, step=record["step"])
+
+    def _append(self, path: Path, record: dict) -> None:
+        if not self.writes_files:
+            return
+        if not self.rows_trimmed:
+            self.rows_trimmed = True
+            for dropped in [*keep_rows_up_to(self.metrics_path, self.start_step),
+                            *keep_rows_up_to(self.diagnostics_path, self.start_step)]:
+                self.print(dropped)
+        with path.open("a") as f:
+            f.write(json_line(record))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -90,11 +197,14 @@ def _wandb_id(run_dir: Path) -> str:
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
-def summary_line(record: dict) -> str:
-    parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
+def summary_line(record: dict, total_steps: int | None = None, eta_s: float | None = None) -> str:
+    step = f"step {record['step']}" + (f"/{total_steps}" if total_steps is not None else "")
+    parts = [step, f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val {record['val_loss']:.4f}")
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
               f"{record['tokens_per_s']:,.0f} tok/s", f"{record['step_time_s']:.2f} s/step",
               f"mem {record['peak_mem_mb']:,.0f} MB", f"moe imb {record['moe_load_imbalance']:.2f}"]
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)

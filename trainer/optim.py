@@ -101,6 +101,13 @@ def _decay_progress(step: int, start: int, steps: int) -> float:
     return min(1.0, max(0.0, (step - start + 1) / span))
 
 
+def wsd_decay_start(train: TrainConfig) -> int:
+    """Steps a wsd run takes before its decay (all at the peak LR once warmed up). The checkpoint after
+    exactly this many steps is where the run can be extended: under a larger train.steps every LR it has
+    used stays the same, so training on from it matches a run given the larger train.steps from the start."""
+    return train.steps - round(train.decay_fraction * train.steps)
+
+
 def lr_multiplier(step: int, train: TrainConfig) -> float:
     """LR multiplier for optimizer step `step` (0 is the first update; LambdaLR passes its last_epoch).
 
@@ -114,7 +121,7 @@ def lr_multiplier(step: int, train: TrainConfig) -> float:
     warmup = min(1.0, (step + 1) / train.warmup_steps) if train.warmup_steps > 0 else 1.0
     floor = train.min_lr_ratio
     if train.schedule == "wsd":
-        progress = _decay_progress(step, train.steps - round(train.decay_fraction * train.steps), train.steps)
+        progress = _decay_progress(step, wsd_decay_start(train), train.steps)
         tail = 1.0 - (1.0 - floor) * progress
     else:
         progress = _decay_progress(step, train.warmup_steps, train.steps)
@@ -122,7 +129,25 @@ def lr_multiplier(step: int, train: TrainConfig) -> float:
     return min(warmup, tail)
 
 
+def schedules_agree(step: int, first: TrainConfig, second: TrainConfig) -> bool:
+    """Both schedules give step `step` the same LR multiplier (up to float noise)."""
+    return math.isclose(lr_multiplier(step, first), lr_multiplier(step, second), rel_tol=1e-9, abs_tol=1e-12)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig) -> LambdaLR:
     """One LambdaLR over all param groups: each keeps its own base lr, scaled by lr_multiplier.
     Call scheduler.step() after every optimizer.step()."""
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, train_cfg))
+
+
+def set_schedule_step(scheduler: LambdaLR, step: int) -> None:
+    """Put the scheduler at `step` under its own lr_lambda and set the optimizer's lrs to match.
+
+    A checkpoint restores the lr its own schedule gave for the next step; a resumed run whose schedule
+    differs (a longer train.steps) must take its next lr from the new schedule instead.
+    """
+    lrs = [base * multiplier(step) for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler.last_epoch = step
+    scheduler._last_lr = lrs  # what get_last_lr() reports; LambdaLR has no public setter

@@ -1,53 +1,98 @@
 """The training loop: data -> forward/backward with accumulation -> step -> log / eval / checkpoint."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import os
 import random
 import shutil
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from model import build_model
 from parallel.dims import DistInfo, build_layout, barrier
 from parallel.parallelize import build_engine, sync_moe_load
 from trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint,
-                                resolve_checkpoint, save_checkpoint)
-from trainer.config import Config, ConfigError, validate_layout
+                                newest_verified_checkpoint, resolve_checkpoint, save_checkpoint)
+from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
-from trainer.metrics import MetricsLogger, entropy, peak_memory_mb, summary_line
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.metrics import MetricsLogger, entropy, peak_memory_mb
+from trainer.checkpoint import META_FILE, checkpoint_path, pin_checkpoint, read_meta
+from trainer.lock import RunDirError, disk_full_error, is_disk_full, lock_run_dir
+from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
+                           wsd_decay_start)
+
+SCHEDULE_KEYS = ("steps", "schedule", "warmup_steps", "decay_fraction", "min_lr_ratio")
 
 
 class NonFiniteError(RuntimeError):
     """Too many non-finite steps in a row."""
 
 
+def _bytes_to_text(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _text_to_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state as JSON values (checkpoints hold no pickles); set_rng_state restores it exactly.
+    torch's states are byte tensors (base64 here); numpy's and Python's are tuples of ints and a float."""
+    bit_generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": _bytes_to_text(torch.get_rng_state()),
+             "numpy": {"bit_generator": bit_generator, "key": key.tolist(), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+             "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_bytes_to_text(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    torch.set_rng_state(_text_to_bytes(state["torch"]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["bit_generator"], np.array(numpy["key"], dtype=np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_text_to_bytes(s) for s in state["cuda"]])
 
 
 class Trainer:
+    """One run in one run directory, which it locks (trainer.lock) from construction until fit() ends or
+    close() is called, before anything reads or writes it."""
+
     def __init__(self, cfg: Config, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run.dir).resolve()
+        self.lock = lock_run_dir(self.run_dir, info.is_main)
+        try:
+            self._set_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory (fit does this when it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _set_up(self) -> None:
+        cfg, info = self.cfg, self.info
         train, parallel = cfg.train, cfg.parallel
         _, self.accumulation = validate_layout(cfg, info.world_size)
         self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep)
@@ -65,9 +110,11 @@ class Trainer:
         self.skipped_steps = 0
         # The optimizer joins the fingerprint: AdamW state cannot be loaded into Muon + AdamW.
         self.fingerprint = f"{model_fingerprint(cfg.model)} optim={cfg.optim.name}"
+        decay_start = wsd_decay_start(train)
+        self.pre_decay_step = decay_start if train.schedule == "wsd" and 0 < decay_start < train.steps else None
         self.resumed_from = self._resume()
-
-    # -- set-up ----------------------------------------------------------------------------------
+        self.resumed_train = self._checkpoint_train_config()
+        self._continue_schedule()
 
     def _check_resume_target(self) -> None:
         existing = latest_checkpoint(self.run_dir)
@@ -78,10 +125,10 @@ class Trainer:
     def _open_data(self) -> None:
         cfg = self.cfg
         if self.info.is_main:  # prepare once; the other ranks then find it in the cache
-            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
+            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
         barrier()
         if not self.info.is_main:
-            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size)
+            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
         self.tokenizer_file = resolved / "tokenizer.json" if resolved.is_dir() else None
         self.train_data = open_dataset(resolved, "train", cfg.model.vocab_size)
         self.val_data = open_dataset(resolved, "val", cfg.model.vocab_size)
@@ -96,39 +143,137 @@ class Trainer:
         resume = self.cfg.resume
         if resume == "never":
             return None
-        path = latest_checkpoint(self.run_dir) if resume == "auto" else resolve_checkpoint(resume)
-        if path is None:
-            return None
+        if resume == "auto":
+            path = self._newest_verified_checkpoint()
+            if path is None:
+                return None
+        else:
+            path = resolve_checkpoint(resume)  # the user named it: a corrupt one is an error, not skipped
         optimizers = self.optimizer.optimizers
         extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
-                                   fingerprint=self.fingerprint, shards=self.engine.shards)
+                                   fingerprint=self.fingerprint, shards=self.engine.shards,
+                                   verify=resume != "auto")
         self.step = extra["step"]
         self.skipped_steps = extra.get("skipped_steps", 0)
         self.sampler.load_state_dict(extra["sampler"])
         set_rng_state(extra["rng"])
         return path
 
+    def _newest_verified_checkpoint(self) -> Path | None:
+        """resume=auto: the newest checkpoint that verifies, saying which newer ones were skipped and why."""
+        path, skipped = newest_verified_checkpoint(self.run_dir)
+        if self.info.is_main:
+            for _, why in skipped:
+                print(f"resume=auto: skipping {why}", file=sys.stderr)
+        if path is None and skipped:
+            # Starting over would overwrite them step by step; let the user decide.
+            raise CheckpointError(f"resume=auto: none of the {len(skipped)} checkpoints in {self.run_dir / 'checkpoints'} "
+                                  "verifies (see above); move them away to start the run over")
+        return path
+
+    def _checkpoint_train_config(self) -> TrainConfig | None:
+        """The train config the resumed checkpoint was written with (None: no checkpoint, or one without it)."""
+        if self.resumed_from is None:
+            return None
+        saved = read_meta(self.resumed_from).get("config", {}).get("train")
+        if saved is None:
+            return None
+        return TrainConfig(**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved})
+
+    def _continue_schedule(self) -> None:
+        """Go on with this launch's LR schedule from the resumed step, refusing an LR jump.
+
+        The rule: the schedule may change on resume only where it agrees with the checkpoint's own schedule
+        on the last step the checkpoint took. Otherwise the LR would jump, e.g. train.steps raised on a
+        finished or decaying wsd run takes the LR from its decayed value back to the peak. Such a run is
+        extended from its pre-decay checkpoint (saved and kept for every wsd run), where both schedules are
+        still at the peak; train.allow_lr_change=true accepts a jump on purpose.
+        """
+        old, new = self.resumed_train, self.cfg.train
+        jumps = old is not None and self.step > 0 and not schedules_agree(self.step - 1, old, new)
+        if jumps and not new.allow_lr_change:
+            raise ConfigError(self._lr_jump_message(old))
+        if self.resumed_from is not None:
+            set_schedule_step(self.scheduler, self.step)
+
+    def _lr_jump_message(self, old: TrainConfig) -> str:
+        new, step, base_lr = self.cfg.train, self.step, self.scheduler.base_lrs[0]
+        changed = ", ".join(f"train.{key}={getattr(new, key)} (checkpoint: {getattr(old, key)})"
+                            for key in SCHEDULE_KEYS if getattr(old, key) != getattr(new, key))
+        pre_decay = self._pre_decay_checkpoint(old)
+        fix = (f"to extend a wsd run, resume from its pre-decay checkpoint: resume={pre_decay} run.dir=<a new dir>"
+               if pre_decay else "start a new run.dir instead")
+        return (f"resuming {self.resumed_from} with {changed or 'this schedule'} would move the lr from "
+                f"{base_lr * lr_multiplier(step - 1, old):.3g} at step {step} to "
+                f"{base_lr * lr_multiplier(step, new):.3g} at step {step + 1}; {fix}, or set "
+                "train.allow_lr_change=true to accept the jump")
+
+    def _pre_decay_checkpoint(self, old: TrainConfig) -> Path | None:
+        """The resumed run's checkpoint from just before its wsd decay, if it holds one this schedule can
+        continue from without an LR jump."""
+        start = wsd_decay_start(old)
+        path = checkpoint_path(self.resumed_from.parent.parent, start)
+        usable = (old.schedule == "wsd" and 0 < start < self.step and (path / META_FILE).is_file()
+                  and schedules_agree(start - 1, old, self.cfg.train))
+        return path if usable else None
+
     # -- the loop --------------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        cfg, train = self.cfg, self.cfg.train
+        """Train to train.steps (a finished run is left as it is); the run directory is released at the end."""
+        try:
+            if self.step >= self.cfg.train.steps:
+                self._report_complete()
+                return {}
+            with self._disk_full_as_error():
+                return self._train()
+        finally:
+            self.close()
+
+    def _report_complete(self) -> None:
+        if not self.info.is_main:
+            return
+        old = self.resumed_train or self.cfg.train
+        pre_decay = self._pre_decay_checkpoint(old)
+        more = (f"to train longer, extend it from its pre-decay checkpoint: resume={pre_decay} "
+                f"train.steps=<more> run.dir=<a new dir>" if pre_decay else "to train longer, start a new run.dir")
+        print(f"run already complete at step {self.step}/{self.cfg.train.steps}, nothing changed in {self.run_dir}; "
+              f"{more} (a larger train.steps here would raise the decayed lr again)", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def _disk_full_as_error(self):
+        """A full disk becomes one line naming the run directory, not a traceback from inside a writer."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+            if not is_disk_full(error):
+                raise
+            raise disk_full_error(self.run_dir, self.step, latest_checkpoint(self.run_dir)) from error
+
+    def _write_run_files(self) -> None:
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.info.is_main:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for trainer.generate
-                shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
+        if not self.info.is_main:
+            return
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for trainer.generate
+            shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
+        if self.pre_decay_step is not None and self.step < self.pre_decay_step:
+            pin_checkpoint(self.run_dir, self.pre_decay_step)
+
+    def _train(self) -> dict:
+        cfg, train = self.cfg, self.cfg.train
+        self._write_run_files()
         log = MetricsLogger(cfg, self.run_dir, self.info.is_main, self.step)
         self._announce(log)
         comm_logged = False
-        if self.step >= train.steps:
-            log.print(f"run already complete at step {self.step}/{train.steps}; raise train.steps to continue it, "
-                      "or pick another run.dir")
         record: dict = {}
         steps_this_launch = 0
         try:
             while self.step < train.steps:
                 self._maybe_crash()
                 record = self.train_step()
+                self._clear_crash_marker()
                 steps_this_launch += 1
                 if not comm_logged:
                     self._log_comm_volume(log)
@@ -136,13 +281,15 @@ class Trainer:
                 log.advance(record["loss"], record["tokens_per_s"])
                 if self.step % train.eval_every == 0 or self.step == train.steps:
                     record["val_loss"] = self.evaluate()
+                diagnostics = record.pop("diagnostics", None)  # its own file; metrics rows stay flat scalars
                 if self.step % train.log_every == 0 or "val_loss" in record or self.step == train.steps:
                     log.log(record)
-                    log.print(summary_line(record))
-                if "diagnostics" in record:
-                    log.log_diagnostics(record.pop("diagnostics"))
+                    log.summary(record)
+                if diagnostics is not None:
+                    log.log_diagnostics(diagnostics)
                 stopping = train.stop_after is not None and steps_this_launch >= train.stop_after
-                if self.step % train.ckpt_every == 0 or self.step == train.steps or stopping:
+                if (self.step % train.ckpt_every == 0 or self.step == train.steps or stopping
+                        or self.step == self.pre_decay_step):
                     path = self.save()
                     log.print(f"checkpoint {path}")
                 if stopping:
@@ -162,13 +309,22 @@ class Trainer:
                   f"dp={self.layout.dp} pp={self.layout.pp} tp={self.layout.tp} ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
 
+    def _crash_marker(self) -> Path:
+        return self.run_dir / f".crash_injected_rank{self.info.rank}"
+
     def _maybe_crash(self) -> None:
         """debug.crash_at_step: die once at that step (a marker per rank stops a loop of crashes)."""
         at = self.cfg.debug.crash_at_step
-        marker = self.run_dir / f".crash_injected_rank{self.info.rank}"
+        marker = self._crash_marker()
         if at is not None and self.step == at and not marker.exists():
             marker.touch()
             os._exit(13)
+
+    def _clear_crash_marker(self) -> None:
+        """Once past debug.crash_at_step the marker has done its job; the run directory keeps no trace of it."""
+        at = self.cfg.debug.crash_at_step
+        if at is not None and self.step > at:
+            self._crash_marker().unlink(missing_ok=True)
 
     def _log_comm_volume(self, log: MetricsLogger) -> None:
         report = self.engine.comm_report()
@@ -272,4 +428,4 @@ class Trainer:
                                self.scheduler, extra, meta, self.cfg.train.keep_last, self.engine.shards)
 
 
-KNOWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError)
+KNOWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, RunDirError, FileNotFoundError, ValueError)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,7 +32,29 @@ RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init,
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The rows of a JSON-lines file ([] when there is none). A last line that does not parse is a
+    run killed mid-write: skipped with a warning. A bad line anywhere else is an error naming it."""
+    if not path.is_file():
+        return []
+    numbered = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for number, line in numbered:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == numbered[-1][0]:
+                print(f"warning: {path}:{number}: skipped a truncated last line (a run killed mid-write)",
+                      file=sys.stderr)
+            else:
+                raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}, column {error.colno}); "
+                                 "fix or delete that line") from None
+    return rows
+
+
+def measured(value) -> bool:
+    """A logged number that is there: null is what the trainer writes for NaN or infinity (older
+    runs wrote a bare NaN, which Python reads as a float nan)."""
+    return value is not None and math.isfinite(value)
 
 
 def by_step(records: list[dict]) -> list[dict]:
@@ -113,8 +137,8 @@ class Run:
 
     @property
     def val_curve(self) -> list[tuple[int, float]]:
-        """(tokens, validation loss) at every evaluation."""
-        return [(r["tokens"], r["val_loss"]) for r in self.metrics if "val_loss" in r]
+        """(tokens, validation loss) at every evaluation with a finite loss."""
+        return [(r["tokens"], r["val_loss"]) for r in self.metrics if measured(r.get("val_loss"))]
 
     @property
     def final_val_loss(self) -> float | None:
@@ -134,7 +158,7 @@ class Run:
     @property
     def moe_curve(self) -> list[tuple[int, float]]:
         """(step, max/mean expert load) at every logged step of an MoE model."""
-        return [(r["step"], r["moe_load_imbalance"]) for r in self.metrics if "moe_load_imbalance" in r]
+        return [(r["step"], r["moe_load_imbalance"]) for r in self.metrics if measured(r.get("moe_load_imbalance"))]
 
     @property
     def step_time(self) -> float | None:

@@ -9,7 +9,9 @@ from omegaconf import OmegaConf
 
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
+import scripts.compare as compare
 from scripts.report import build_report
+from scripts.report.runs import Run
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law, noise_verdict
 from scripts.report.sweeps import parabola_minimum
 from trainer.config import load_config
@@ -169,3 +171,42 @@ def test_parabola_minimum_finds_the_optimum_between_two_tied_points():
     losses = [5 + 0.03 * (math.log2(lr) - math.log2(optimum)) ** 2 for lr in lrs]
     assert parabola_minimum(lrs, losses) == pytest.approx(optimum, rel=1e-9)
     assert parabola_minimum(lrs, sorted(losses)) is None  # best at the edge: no bracket
+
+
+def test_a_truncated_last_line_is_skipped_with_a_warning_naming_file_and_line(tmp_path, tiny_runs, capsys):
+    run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "killed", {})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "loss": 5.1')
+    run = Run.load(run_dir)
+    assert capsys.readouterr().err == (f"warning: {run_dir / 'metrics.jsonl'}:{len(lines) + 1}: skipped a truncated "
+                                       "last line (a run killed mid-write)\n")
+    assert run.steps == 6 and run.final_val_loss == final_val_loss(tiny_runs["baseline"])
+
+
+def test_a_corrupt_line_elsewhere_is_one_error_naming_file_and_line(tmp_path, tiny_runs, capsys):
+    run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "corrupt", {})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:25]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--report-only", str(run_dir), "--out", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"[compare] error: {run_dir / 'metrics.jsonl'}:2: not a JSON line (")
+    assert error.endswith("); fix or delete that line")
+
+
+def test_null_losses_are_left_out_of_the_curves(tmp_path, tiny_runs):
+    """null is what the trainer writes for a NaN loss (a skipped step) or a non-finite evaluation."""
+    run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "nulls", {})
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if record["step"] == 3:
+            record.update(loss=None, grad_norm=None, val_loss=None, moe_load_imbalance=None)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = Run.load(run_dir)
+    assert [step for step, _ in run.moe_curve] == [1, 2, 4, 5, 6]
+    assert len(run.val_curve) == 1 and run.final_val_loss == final_val_loss(tiny_runs["baseline"])
+    text = build_report([run_dir, tiny_runs["block"]], tmp_path / "report", "nulls").read_text()
+    assert f"{final_val_loss(tiny_runs['baseline']):.4f}" in text

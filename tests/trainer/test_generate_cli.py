@@ -1,11 +1,29 @@
-"""`python -m trainer.generate`: loads a run's checkpoint and tokenizer; bad input gets one clear line."""
+"""`python -m trainer.generate`: loads only an export (safetensors + JSON), refuses training checkpoints
+without reading them, and checks every input before any work; bad input gets one clear line."""
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
+from tokenizers import Tokenizer
 
 from conftest import fast_train_overrides
+from model import build_model
+from model.generation import generate
 from parallel.dims import init_distributed
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
-from trainer.generate import main
+from trainer.export import export
+from trainer.generate import GenerateArgs, load_exported_model, main
 from trainer.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -15,21 +33,174 @@ def run_dir(tmp_path_factory, tiny_dataset):
     return run
 
 
-def test_generates_text_after_the_prompt(run_dir, capsys):
-    main([f"checkpoint={run_dir}", "prompt=the king", "max_new_tokens=5", "prefill_chunk=1"])
+@pytest.fixture(scope="module")
+def export_dir(run_dir):
+    out = run_dir.parent / "export"
+    export(str(run_dir), str(out))
+    return out
+
+
+def run_cli(*args):
+    """trainer.generate in its own process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "trainer.generate", *args], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+
+
+def one_line_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_generates_text_after_the_prompt(export_dir, capsys):
+    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=5", "prefill_chunk=1"])
     text = capsys.readouterr().out
     assert text.startswith("the king") and len(text.strip()) > len("the king")
 
 
+def test_checkpoint_is_an_alias_of_model(export_dir, capsys):
+    main([f"checkpoint={export_dir}", "prompt=the king", "max_new_tokens=3"])
+    via_alias = capsys.readouterr().out
+    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=3"])
+    assert capsys.readouterr().out == via_alias
+
+
+def test_export_generates_the_tokens_of_the_checkpoint(run_dir, export_dir, tiny_dataset, capsys):
+    """Greedy tokens from the export equal those of the model loaded from the DCP checkpoint itself."""
+    cfg = load_config(fast_train_overrides(run_dir, tiny_dataset, steps=2))
+    from_checkpoint = build_model(cfg)
+    load_checkpoint(latest_checkpoint(run_dir), from_checkpoint, [], None, rank=0)
+    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    prompt = torch.tensor([tokenizer.encode("the king").ids])
+    expected = generate(from_checkpoint, prompt, max_new_tokens=6)
+    assert expected.shape == (1, prompt.shape[1] + 6)
+
+    from_export = load_exported_model(export_dir, cfg)
+    assert torch.equal(generate(from_export, prompt, max_new_tokens=6), expected)
+    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=6"])
+    assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(expected[0].tolist())
+
+
+class Planted:
+    """Unpickling this creates `marker`: evidence that a loader ran code planted in a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+@pytest.mark.parametrize("target", ["run", "checkpoint"])
+def test_run_and_checkpoint_dirs_are_refused_unread(run_dir, tmp_path, capsys, target):
+    """Every file of the checkpoint but meta.json is a pickle that runs code when loaded; generate
+    refuses the directory, names the export command, and never loads any of them."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    checkpoint = latest_checkpoint(run)
+    marker = tmp_path / "planted_code_ran"
+    payload = pickle.dumps(Planted(marker))
+    for file in checkpoint.rglob("*"):
+        if file.is_file() and file.name != "meta.json":
+            file.write_bytes(payload)
+    pickle.loads(payload)  # the payload works: loading it runs code
+    assert marker.exists()
+    marker.unlink()
+
+    given = run if target == "run" else checkpoint
+    out = run / "export" if target == "run" else run / f"export-{checkpoint.name}"
+    assert one_line_error(capsys, [f"model={given}", "prompt=the king", "max_new_tokens=3"]) == (
+        f"error: model={given} is a training run or checkpoint, which generate does not load (DCP checkpoints are "
+        "pickle-based, safe only from trusted sources); export it first with "
+        f"`python -m trainer.export checkpoint={given} out={out}` and pass that out= as model=")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["max_new_tokens=0"], "max_new_tokens=0 must be positive"),
+    (["max_new_tokens=-3"], "max_new_tokens=-3 must be positive"),
+    (["temperature=-0.5"], "temperature=-0.5 must be a finite number >= 0 (0 is greedy)"),
+    (["temperature=nan"], "temperature=nan must be a finite number >= 0 (0 is greedy)"),
+    (["top_p=0"], "top_p=0.0 must be in (0, 1]"),
+    (["top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+    (["prefill_chunk=-1"], "prefill_chunk=-1 must be >= 0 (0 prefills the whole prompt at once)"),
+    (["seed=-1"], "seed=-1 must be >= 0"),
+])
+def test_bad_options_are_refused_before_any_file_is_read(capsys, tmp_path, args, message):
+    """The model path does not exist: the option, checked first, is what the error names."""
+    err = one_line_error(capsys, [f"model={tmp_path / 'missing'}", "prompt=the king", *args])
+    assert err == f"error: {message}"
+
+
+def test_prompt_plus_new_tokens_beyond_the_trained_context_is_refused(export_dir, capsys):
+    prompt_tokens = len(Tokenizer.from_file(str(export_dir / "tokenizer.json")).encode("the king").ids)
+    err = one_line_error(capsys, [f"model={export_dir}", "prompt=the king", "max_new_tokens=40"])
+    assert err == (f"error: the prompt is {prompt_tokens} tokens + max_new_tokens=40 = {prompt_tokens + 40}, beyond "
+                   f"the model's trained context of 32 (train.seq_len); lower max_new_tokens to {32 - prompt_tokens} "
+                   "or shorten the prompt")
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["prompt="], "prompt= is empty"),
-    (["prompt=" + "the king " * 40], "longer than the model's context of 32"),
-    (["prompt=hi", "variant=full"], "holds a variant=block model"),
-    (["prompt=hi", "tokenizer=/nonexistent/tokenizer.json"], "tokenizer /nonexistent/tokenizer.json not found"),
+    (["prompt=" + "the king " * 40, "max_new_tokens=1"], "beyond the model's trained context of 32"),
+    (["prompt=hi", "max_new_tokens=1", "variant=full"], "holds a variant=block model"),
+    (["prompt=hi", "max_new_tokens=1", "tokenizer=/nonexistent/tokenizer.json"],
+     "tokenizer /nonexistent/tokenizer.json not found"),
+    (["prompt=hi", "colour=red"], "unknown key 'colour'; valid keys: model, checkpoint, prompt, max_new_tokens, "
+                                  "temperature, top_p, prefill_chunk, seed, variant, tokenizer"),
+    (["--prompt", "hi"], "argument '--prompt' is not key=value; valid keys: model, checkpoint"),
+    (["prompt=hi", "max_new_tokens=many"], "max_new_tokens: Value 'many' of type 'str' could not be converted"),
 ])
-def test_bad_input_fails_with_one_line(run_dir, capsys, args, fragment):
-    with pytest.raises(SystemExit) as exit_info:
-        main([f"checkpoint={run_dir}", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert fragment in err and "\n" not in err
+def test_bad_input_fails_with_one_line(export_dir, capsys, args, fragment):
+    assert fragment in one_line_error(capsys, [f"model={export_dir}", *args])
+
+
+def test_model_must_be_given_and_be_an_export(export_dir, tmp_path, capsys):
+    assert one_line_error(capsys, ["prompt=hi"]) == (
+        "error: model= is required: an export directory written by python -m trainer.export")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(export_dir / "config.json", partial)
+    assert one_line_error(capsys, [f"model={partial}", "prompt=hi", "max_new_tokens=1"]) == (
+        f"error: model={partial} is not an export directory: missing model.safetensors "
+        "(write one with python -m trainer.export)")
+
+
+def test_weights_that_do_not_match_the_config_are_refused(export_dir, tmp_path, capsys):
+    """strict loading: an export whose config.json describes another model fails in one line."""
+    altered = tmp_path / "altered"
+    shutil.copytree(export_dir, altered)
+    described = json.loads((altered / "config.json").read_text())
+    described["config"]["model"]["n_blocks"] = 5
+    (altered / "config.json").write_text(json.dumps(described))
+    err = one_line_error(capsys, [f"model={altered}", "prompt=the king", "max_new_tokens=1"])
+    assert err.startswith(f"error: {altered / 'model.safetensors'} does not match the model of config.json "
+                          "(missing: layers.4.")
+
+
+def test_help_prints_every_option_with_its_default_and_exits_0(capsys):
+    result = run_cli("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    for field in dataclasses.fields(GenerateArgs):
+        default = "" if field.default is None else field.default
+        assert f"  {field.name}={default}" in result.stdout
+    main(["prompt=hi", "-h"])
+    assert capsys.readouterr().out.strip() == result.stdout.strip()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
+     "model.safetensors could not be read (Error while deserializing header"),
+    (lambda d: (d / "config.json").write_text('{"config": '), "config.json could not be read (Expecting value"),
+    (lambda d: (d / "config.json").write_text('{"config": {"model": {"d_model": "wide"}}}'),
+     "config.json is not a config of this trainer (Value 'wide' of type 'str' could not be converted to Integer)"),
+])
+def test_a_damaged_export_fails_in_one_line(export_dir, tmp_path, capsys, damage, message):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(export_dir, damaged)
+    damage(damaged)
+    err = one_line_error(capsys, [f"model={damaged}", "prompt=the king", "max_new_tokens=1"])
+    assert err.startswith(f"error: {damaged}/") and message in err

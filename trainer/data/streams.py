@@ -1,4 +1,5 @@
-"""Training data: resolve a data path, open token streams, sample windows resumably, build batches.
+"""Reading token streams: one split of a prepared dataset or a Megatron indexed dataset, windows drawn
+by a deterministic, resumable sampler, and (inputs, targets) batches.
 
 Every dataset is a flat token stream per split. Sample w is the window of seq_len + 1 tokens starting
 at token w * seq_len: inputs are its first seq_len tokens, targets the last seq_len.
@@ -11,21 +12,9 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
-from scripts.prepare_data import (
-    MANIFEST_NAME,
-    SPLITS,
-    default_cache_dir,
-    prepare_cached_text_corpus,
-    prepare_default_corpus,
-    split_path,
-    val_token_count,
-    verify_dataset,
-)
+from trainer.data.format import SPLITS, DataError, split_path, val_token_count, verify_dataset
 
-VALID_DATA_PATHS = (
-    "a prepared dataset directory (with manifest.json), a directory of .txt/.jsonl files, "
-    "a .txt file, a .jsonl file with a 'text' field, or a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx)"
-)
+MEGATRON_INSTALL = "pip install -e '.[megatron]'"
 
 
 class TokenStream(Protocol):
@@ -42,7 +31,7 @@ class TokenDataset:
     def __init__(self, dataset_dir: str | Path, split: str = "train"):
         self.dataset_dir = Path(dataset_dir)
         self.split = split
-        # Sizes only: sha256 is checked when prepare_data builds or reuses a dataset; re-hashing a
+        # Sizes only: sha256 is checked when a dataset is built or reused; re-hashing a
         # large dataset on every rank at every start would be slow.
         manifest = verify_dataset(self.dataset_dir, check_checksums=False)
         self.vocab_size: int = manifest["vocab_size"]
@@ -70,10 +59,10 @@ class MegatronTokenDataset:
     def __init__(self, prefix: str | Path, split: str, vocab_size: int):
         try:
             from megatron.core.datasets.indexed_dataset import IndexedDataset
-        except ImportError as e:
-            raise ImportError(
-                f"{prefix} is a Megatron indexed dataset; reading it needs megatron-core: pip install -e '.[megatron]'"
-            ) from e
+        except ImportError:
+            # A DataError, not the ImportError: the CLIs turn it into their one `error:` line.
+            raise DataError(f"{prefix} is a Megatron indexed dataset; reading it needs megatron-core: "
+                            f"{MEGATRON_INSTALL}") from None
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self.split = split
@@ -100,49 +89,6 @@ class MegatronTokenDataset:
             pieces.append(self._indexed.get(sequence, offset=offset, length=take))
             position, length, sequence = position + take, length - take, sequence + 1
         return np.concatenate(pieces).astype(np.int64) if pieces else np.empty(0, dtype=np.int64)
-
-
-def megatron_prefix(path: Path) -> Path | None:
-    """PREFIX for PREFIX, PREFIX.bin or PREFIX.idx when both PREFIX.bin and PREFIX.idx exist."""
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
-        return prefix
-    return None
-
-
-def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab_size: int = 8192) -> Path:
-    """Turn data.path into something open_dataset reads, preparing (once, cached) what needs preparing.
-
-    None: the default Shakespeare corpus. Text inputs are prepared into cache_dir keyed by their names,
-    sizes and mtimes. A prepared directory or a Megatron prefix is returned as it is.
-    """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if path is None:
-        return prepare_default_corpus(cache_dir, vocab_size)
-    candidate = Path(path).expanduser()
-    if (candidate / MANIFEST_NAME).is_file():
-        return candidate
-    prefix = megatron_prefix(candidate)
-    if prefix is not None:
-        return prefix
-    if candidate.is_dir() or (candidate.is_file() and candidate.suffix in (".txt", ".jsonl")):
-        return prepare_cached_text_corpus(candidate, cache_dir, vocab_size)
-    if not candidate.exists():
-        raise FileNotFoundError(f"data path {path}: no such file or directory; expected {VALID_DATA_PATHS}")
-    raise ValueError(f"data path {path}: not a usable dataset; expected {VALID_DATA_PATHS}")
-
-
-def open_dataset(resolved: Path, split: str, vocab_size: int) -> TokenStream:
-    """Open one split of what resolve_dataset returned; the model's vocab must cover the dataset's."""
-    if (resolved / MANIFEST_NAME).is_file():
-        dataset: TokenStream = TokenDataset(resolved, split)
-    elif megatron_prefix(resolved) is not None:
-        dataset = MegatronTokenDataset(resolved, split, vocab_size)
-    else:
-        raise ValueError(f"data path {resolved}: not a usable dataset; expected {VALID_DATA_PATHS}")
-    if dataset.vocab_size > vocab_size:
-        raise ValueError(f"{resolved} has vocab size {dataset.vocab_size}, more than the model's {vocab_size}")
-    return dataset
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:

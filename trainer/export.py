@@ -1,0 +1,218 @@
+"""Export a checkpoint's weights for inference: `python -m trainer.export checkpoint=RUN_OR_CKPT out=DIR`
+
+Options (key=value):
+  checkpoint=     (required) a run directory (its newest checkpoint) or one checkpoint directory
+                  (runs/NAME/checkpoints/step_XXXXXXXX). DCP checkpoints are pickle-based: export
+                  only checkpoints you trust.
+  out=            (required) the export directory to write; it must not exist or be empty
+  overwrite=false replace an existing export in out
+
+Writes, all at once (a temporary directory renamed into place, so a failure leaves nothing half-written):
+  out/model.safetensors  the model's weights and buffers (safetensors: plain tensors, no code)
+  out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
+  out/tokenizer.json     the run's tokenizer, when the run has one
+`python -m trainer.generate model=out prompt=...` then loads only these files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model import build_model
+from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from trainer.config import Config
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+HELP_FLAGS = ("-h", "--help")
+
+
+class ExportError(ValueError):
+    """A bad export request or an unreadable export; the message is one line."""
+
+
+@dataclass
+class ExportArgs:
+    checkpoint: str | None = None
+    out: str | None = None
+    overwrite: bool = False
+
+
+def parse_key_values(argv: list[str], schema: type, error: type[Exception]):
+    """key=value arguments -> an instance of the dataclass `schema`; `error` (one line) on anything else."""
+    keys = [field.name for field in dataclasses.fields(schema)]
+    for arg in argv:
+        if "=" not in arg:
+            raise error(f"argument {arg!r} is not key=value; valid keys: {', '.join(keys)} (--help prints the usage)")
+        if arg.split("=", 1)[0] not in keys:
+            raise error(f"unknown key {arg.split('=', 1)[0]!r}; valid keys: {', '.join(keys)}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv)))
+    except OmegaConfBaseException as failure:
+        where = f"{failure.full_key}: " if getattr(failure, "full_key", None) else ""
+        raise error(where + str(failure).splitlines()[0]) from None
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run directory of runs/NAME/checkpoints/step_XXXXXXXX (where the trainer keeps tokenizer.json)."""
+    return checkpoint.parent.parent
+
+
+def safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors that share no storage: safetensors refuses shared (tied) tensors, so a
+    second name of a storage gets its own copy and every name still loads with strict=True."""
+    ready, seen = {}, set()
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        ready[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return ready
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"out={out} is a file; give a directory to create")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MODEL_FILE).is_file():
+            raise ExportError(f"out={out} is a non-empty directory that is not an export; pick another out")
+        if not overwrite:
+            raise ExportError(f"out={out} already holds an export; pass overwrite=true to replace it")
+
+
+def _make_tmp(out: Path) -> Path:
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as error:
+        raise ExportError(f"out={out} cannot be written ({error})") from None
+    return tmp
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an export being replaced is moved aside first, so out is never half-written."""
+    old = out.with_name(f".old-{out.name}-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if old.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_trained_model(checkpoint: Path, meta: dict):
+    if "config" not in meta:
+        raise ExportError(f"checkpoint {checkpoint} has no config in its meta.json; cannot tell which model to build")
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+    except OmegaConfBaseException as error:
+        raise ExportError(f"checkpoint {checkpoint} has a config this trainer cannot read "
+                          f"({str(error).splitlines()[0]})") from None
+    model = build_model(cfg)
+    load_checkpoint(checkpoint, model, [], None, rank=0)
+    return model
+
+
+def _write(tmp: Path, out: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
+    try:
+        _write_files(tmp, model, checkpoint, meta, tokenizer)
+        _put_in_place(tmp, out)
+    except OSError as error:
+        raise ExportError(f"out={out} cannot be written ({error})") from None
+
+
+def _write_files(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
+    save_file(safetensors_ready(model.state_dict()), tmp / MODEL_FILE,
+              metadata={"format": "pt", "step": str(meta.get("step"))})
+    described = {"config": meta["config"], "step": meta.get("step"), "source": str(checkpoint.resolve()),
+                 "model_fingerprint": meta.get("model_fingerprint")}
+    (tmp / CONFIG_FILE).write_text(json.dumps(described, indent=2) + "\n")
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+
+
+def export(checkpoint: str, out: str, overwrite: bool = False) -> str:
+    """Write the export of `checkpoint` to `out`; returns the one-line summary."""
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    out_dir = Path(out)
+    _check_out(out_dir, overwrite)
+    tokenizer = run_dir_of(path) / TOKENIZER_FILE
+    tmp = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
+    try:
+        model = _load_trained_model(path, meta)
+        _write(tmp, out_dir, model, path, meta, tokenizer)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    parameters = sum(p.numel() for p in model.parameters())
+    size = (out_dir / MODEL_FILE).stat().st_size
+    note = "" if tokenizer.is_file() else f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, pass tokenizer= to generate"
+    return (f"exported step {meta.get('step')} of {path} to {out_dir}: {parameters:,} parameters, "
+            f"{size:,} bytes in {MODEL_FILE}{note}")
+
+
+def read_export_config(export_dir: Path) -> dict:
+    """config.json of an export (JSON only: nothing in it can run code)."""
+    try:
+        described = json.loads((export_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise ExportError(f"{export_dir / CONFIG_FILE} could not be read ({str(error).splitlines()[0]})") from None
+    if not isinstance(described, dict) or not isinstance(described.get("config"), dict):
+        raise ExportError(f"{export_dir / CONFIG_FILE} has no \"config\" object; re-export with trainer.export")
+    return described
+
+
+def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
+    """Load model.safetensors into `model` (built from the export's config.json), every tensor required."""
+    file = export_dir / MODEL_FILE
+    try:
+        state = load_file(file)
+    except (OSError, SafetensorError) as error:
+        raise ExportError(f"{file} could not be read ({str(error).splitlines()[0]})") from None
+    expected = model.state_dict()
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    reshaped = [f"{name} {tuple(state[name].shape)} vs {tuple(tensor.shape)}" for name, tensor in expected.items()
+                if name in state and state[name].shape != tensor.shape]
+    if missing or unexpected or reshaped:
+        found = (("missing", missing), ("unexpected", unexpected), ("shape", reshaped))
+        problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                    for label, names in found if names]
+        raise ExportError(f"{file} does not match the model of {CONFIG_FILE} ({'; '.join(problems)})")
+    model.load_state_dict(state, strict=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(__doc__.strip())
+        return
+    try:
+        args = parse_key_values(argv, ExportArgs, ExportError)
+        if not args.checkpoint or not args.out:
+            raise ExportError("checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export")
+        print(export(args.checkpoint, args.out, args.overwrite))
+    except (ExportError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
