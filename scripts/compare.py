@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from parallel.dims import init_distributed, shutdown
 from scripts.experiments import Experiment, load_experiment, split_overrides
 from scripts.report import build_report
-from trainer.checkpoint import latest_checkpoint, read_meta
+from trainer.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.trainer import KNOWN_ERRORS, Trainer
 
@@ -34,8 +34,10 @@ def progress(line: str) -> None:
 
 
 def completed_steps(run_dir: Path) -> int:
+    # The step from the directory name: a damaged newest checkpoint is the trainer's to skip (resume=auto),
+    # not a reason for the whole grid to stop.
     checkpoint = latest_checkpoint(run_dir)
-    return read_meta(checkpoint)["step"] if checkpoint is not None else 0
+    return int(STEP_DIR.fullmatch(checkpoint.name).group(1)) if checkpoint is not None else 0
 
 
 def train_experiment(experiment: Experiment) -> list[Path]:

@@ -12,15 +12,16 @@ from pathlib import Path
 import torch
 
 from model import build_model
+from model.params import count_parameters
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.data import num_windows, open_dataset, resolve_dataset
 from trainer.lock import check_run_dir
 
 
-def count_parameters(cfg) -> int:
+def total_parameters(cfg) -> int:
     """The whole model's parameter count, without allocating it (meta tensors)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in build_model(cfg).parameters())
+        return count_parameters(build_model(cfg))["total"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.overrides)
         train = cfg.train
         validate_layout(cfg, args.nproc)
-        check_run_dir(Path(cfg.run.dir).resolve(), count_parameters(cfg))  # RunDirError is a RuntimeError
+        check_run_dir(Path(cfg.run.dir).resolve(), total_parameters(cfg))  # RunDirError is a RuntimeError
         resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
         data = open_dataset(resolved, "train", cfg.model.vocab_size)
         if num_windows(len(data), train.seq_len) < train.global_batch:

@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from model import build_model
 from parallel.dims import DistInfo, build_layout, barrier
 from parallel.parallelize import build_engine, sync_moe_load
-from trainer.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, model_fingerprint,
-                                newest_verified_checkpoint, resolve_checkpoint, save_checkpoint)
+from trainer.checkpoint import (META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
+                                model_fingerprint, newest_verified_checkpoint, pin_checkpoint, read_meta,
+                                resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
 from trainer.metrics import MetricsLogger, entropy, peak_memory_mb
-from trainer.checkpoint import META_FILE, checkpoint_path, pin_checkpoint, read_meta
 from trainer.lock import RunDirError, disk_full_error, is_disk_full, lock_run_dir
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
                            wsd_decay_start)
