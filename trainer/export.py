@@ -51,18 +51,28 @@ class ExportArgs:
 
 
 def parse_key_values(argv: list[str], schema: type, error: type[Exception]):
-    """key=value arguments -> an instance of the dataclass `schema`; `error` (one line) on anything else."""
-    keys = [field.name for field in dataclasses.fields(schema)]
+    """key=value arguments -> an instance of the dataclass `schema`; `error` (one line) on anything else.
+
+    A string field takes its value verbatim (prompt=ROMEO: is the text "ROMEO:", not a YAML mapping, and
+    "${...}" is not an interpolation); the others are parsed as YAML scalars (max_new_tokens=40)."""
+    fields = {field.name: field for field in dataclasses.fields(schema)}
+    verbatim, typed = {}, []
     for arg in argv:
         if "=" not in arg:
-            raise error(f"argument {arg!r} is not key=value; valid keys: {', '.join(keys)} (--help prints the usage)")
-        if arg.split("=", 1)[0] not in keys:
-            raise error(f"unknown key {arg.split('=', 1)[0]!r}; valid keys: {', '.join(keys)}")
+            raise error(f"argument {arg!r} is not key=value; valid keys: {', '.join(fields)} (--help prints the usage)")
+        key, value = arg.split("=", 1)
+        if key not in fields:
+            raise error(f"unknown key {key!r}; valid keys: {', '.join(fields)}")
+        if "str" in str(fields[key].type):  # annotations are strings here: "str | None"
+            verbatim[key] = value
+        else:
+            typed.append(arg)
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv)))
+        parsed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(typed)))
     except OmegaConfBaseException as failure:
         where = f"{failure.full_key}: " if getattr(failure, "full_key", None) else ""
         raise error(where + str(failure).splitlines()[0]) from None
+    return dataclasses.replace(parsed, **verbatim)
 
 
 def run_dir_of(checkpoint: Path) -> Path:

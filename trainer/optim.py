@@ -140,12 +140,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig) ->
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, train_cfg))
 
 
-def set_schedule_step(scheduler: LambdaLR, step: int) -> None:
-    """Put the scheduler at `step` under its own lr_lambda and set the optimizer's lrs to match.
+def set_schedule_step(scheduler: LambdaLR, step: int, base_lrs: list[float] | None = None) -> None:
+    """Put the scheduler at `step` under its own lr_lambda (and, given base_lrs, new peak lrs per param
+    group) and set the optimizer's lrs to match.
 
-    A checkpoint restores the lr its own schedule gave for the next step; a resumed run whose schedule
-    differs (a longer train.steps) must take its next lr from the new schedule instead.
+    A checkpoint restores the lr its own schedule gave for the next step and its own peaks; a resumed run
+    whose schedule or peaks differ (a longer train.steps, a new optim.lr) takes its next lr from this launch.
     """
+    if base_lrs is not None:
+        scheduler.base_lrs = list(base_lrs)
+        for group, lr in zip(scheduler.optimizer.param_groups, base_lrs, strict=True):
+            group["initial_lr"] = lr
     lrs = [base * multiplier(step) for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr

@@ -112,9 +112,10 @@ class Trainer:
         self.fingerprint = f"{model_fingerprint(cfg.model)} optim={cfg.optim.name}"
         decay_start = wsd_decay_start(train)
         self.pre_decay_step = decay_start if train.schedule == "wsd" and 0 < decay_start < train.steps else None
+        configured_lrs = list(self.scheduler.base_lrs)  # optim.lr / muon_lr; a resume restores the checkpoint's
         self.resumed_from = self._resume()
         self.resumed_train = self._checkpoint_train_config()
-        self._continue_schedule()
+        self._continue_schedule(configured_lrs)
 
     def _check_resume_target(self) -> None:
         existing = latest_checkpoint(self.run_dir)
@@ -180,21 +181,33 @@ class Trainer:
             return None
         return TrainConfig(**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved})
 
-    def _continue_schedule(self) -> None:
+    def _continue_schedule(self, configured_lrs: list[float]) -> None:
         """Go on with this launch's LR schedule from the resumed step, refusing an LR jump.
 
         The rule: the schedule may change on resume only where it agrees with the checkpoint's own schedule
         on the last step the checkpoint took. Otherwise the LR would jump, e.g. train.steps raised on a
         finished or decaying wsd run takes the LR from its decayed value back to the peak. Such a run is
         extended from its pre-decay checkpoint (saved and kept for every wsd run), where both schedules are
-        still at the peak; train.allow_lr_change=true accepts a jump on purpose.
+        still at the peak. A new peak (optim.lr, optim.muon_lr) would jump too, and would otherwise be
+        ignored silently (the checkpoint restores its own). train.allow_lr_change=true accepts a jump.
         """
+        if self.resumed_from is None:
+            return
         old, new = self.resumed_train, self.cfg.train
-        jumps = old is not None and self.step > 0 and not schedules_agree(self.step - 1, old, new)
-        if jumps and not new.allow_lr_change:
-            raise ConfigError(self._lr_jump_message(old))
-        if self.resumed_from is not None:
-            set_schedule_step(self.scheduler, self.step)
+        if not new.allow_lr_change:
+            if old is not None and self.step > 0 and not schedules_agree(self.step - 1, old, new):
+                raise ConfigError(self._lr_jump_message(old))
+            if self.scheduler.base_lrs != configured_lrs:
+                raise ConfigError(self._peak_change_message(configured_lrs))
+        set_schedule_step(self.scheduler, self.step, base_lrs=configured_lrs)
+
+    def _peak_change_message(self, configured_lrs: list[float]) -> str:
+        def peaks(lrs: list[float]) -> str:
+            return "/".join(f"{lr:.3g}" for lr in dict.fromkeys(lrs))
+
+        return (f"resuming {self.resumed_from} with peak lr {peaks(configured_lrs)} (optim.lr, optim.muon_lr) but it "
+                f"was trained at {peaks(self.scheduler.base_lrs)}; drop the override, or set "
+                "train.allow_lr_change=true to train on at the new peak")
 
     def _lr_jump_message(self, old: TrainConfig) -> str:
         new, step, base_lr = self.cfg.train, self.step, self.scheduler.base_lrs[0]

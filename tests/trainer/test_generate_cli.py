@@ -61,6 +61,14 @@ def test_generates_text_after_the_prompt(export_dir, capsys):
     assert text.startswith("the king") and len(text.strip()) > len("the king")
 
 
+@pytest.mark.parametrize("prompt", ["ROMEO:", "king: [queen", "${lord}", "123", "null"])
+def test_the_prompt_is_taken_verbatim(export_dir, capsys, prompt):
+    # The shell strips the quotes of prompt="ROMEO:" (README's example); YAML would read a mapping, a
+    # number or null, and OmegaConf an interpolation.
+    main([f"model={export_dir}", f"prompt={prompt}", "max_new_tokens=2"])
+    assert capsys.readouterr().out.startswith(prompt)
+
+
 def test_checkpoint_is_an_alias_of_model(export_dir, capsys):
     main([f"checkpoint={export_dir}", "prompt=the king", "max_new_tokens=3"])
     via_alias = capsys.readouterr().out

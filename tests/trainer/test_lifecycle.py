@@ -180,6 +180,19 @@ def test_allow_lr_change_extends_a_finished_run_at_the_new_schedules_lr(tmp_path
     assert lrs[6] == pytest.approx(3e-4) and lrs[7] == pytest.approx(1.65e-3) and lrs[8] == pytest.approx(3e-4)
 
 
+def test_a_new_peak_lr_on_resume_is_refused_or_used_never_ignored(tmp_path, tiny_dataset):
+    run = tmp_path / "run"
+    train(fast_train_overrides(run, tiny_dataset, steps=8, **{"train.stop_after": 3}))
+    with pytest.raises(ConfigError) as refused:
+        train(fast_train_overrides(run, tiny_dataset, steps=8, **{"optim.lr": 1e-3}))
+    assert str(refused.value) == (
+        f"resuming {run}/checkpoints/step_00000003 with peak lr 0.001 (optim.lr, optim.muon_lr) but it was trained "
+        "at 0.003; drop the override, or set train.allow_lr_change=true to train on at the new peak")
+    train(fast_train_overrides(run, tiny_dataset, steps=8, **{"optim.lr": 1e-3, "train.allow_lr_change": "true"}))
+    lrs = {r["step"]: r["lr"] for r in metrics(run)}
+    assert lrs[3] == pytest.approx(3e-3) and lrs[4] == pytest.approx(1e-3) and lrs[8] == pytest.approx(1e-4)
+
+
 # -- run directories that cannot be written --------------------------------------------------------
 
 def test_run_dir_under_a_file_is_one_line_in_trainer_and_check(tmp_path, tiny_dataset, capsys):
