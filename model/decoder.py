@@ -3,6 +3,9 @@
 Any part may be None (a pipeline stage is this module with the other parts deleted): `embed` only on
 the first stage, `norm`/`lm_head`/`final_res` only on the last; `layers` is a ModuleDict keyed by the
 global block index so parameter names stay the same in every layout.
+
+Constructing a Decoder does not initialise it (on the meta device it allocates nothing either):
+`model.build_model` does, or `model.init.materialise` allocates and initialises the parts a rank keeps.
 """
 from __future__ import annotations
 
@@ -10,11 +13,25 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.init import InitStds, initialise
+from model.init import InitStds
 from model.layer import TransformerBlock
 from model.moe import MoE
 from model.norms import RMSNorm
 from model.residual import DepthState, build_mixer
+
+
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that initialises itself, so a stage without the head draws the same embedding."""
+
+    def init_weights(self, stds: InitStds) -> None:
+        nn.init.normal_(self.weight, std=stds.embedding)
+
+
+class LMHead(nn.Linear):
+    """nn.Linear that initialises itself, so a stage without the embedding draws the same head."""
+
+    def init_weights(self, stds: InitStds) -> None:
+        nn.init.normal_(self.weight, std=stds.head)
 
 
 class Decoder(nn.Module):
@@ -22,17 +39,11 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.mixer = build_mixer(cfg)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, self.mixer) for i in range(cfg.n_blocks)})
         self.final_res = self.mixer.make_read(cfg.n_sublayers + 1)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        initialise(self, cfg.init_stds)
-
-    def init_weights(self, stds: InitStds) -> None:
-        """The embedding and the head; every submodule initialises its own (model.init.initialise)."""
-        nn.init.normal_(self.embed.weight, std=stds.embedding)
-        nn.init.normal_(self.lm_head.weight, std=stds.head)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None,
                 cache: dict[int, object] | None = None) -> torch.Tensor:

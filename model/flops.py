@@ -15,8 +15,6 @@ Element-wise work (norms, activations, softmax exponentials) is left out, as in 
 """
 from __future__ import annotations
 
-import torch
-
 from model.config import ModelConfig
 from model.params import count_parameters
 
@@ -24,8 +22,7 @@ from model.params import count_parameters
 def active_matmul_params(cfg: ModelConfig) -> int:
     from model import build_model
 
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = build_model(cfg, device="meta")
     return count_parameters(model)["active"] - model.embed.weight.numel()
 
 

@@ -50,10 +50,13 @@ def shutdown() -> None:
 
 @dataclass
 class Layout:
-    """Where this rank sits in the (dp, pp, tp) mesh, and the groups it talks to.
+    """Where this rank sits in the (dp, fsdp, pp, tp) mesh, and the groups it talks to.
 
-    Expert parallelism splits each dp group into ep-sized groups that share one copy of the routed
-    experts (`ep_group`); `expert_dp_group` links the ranks holding the same expert shard."""
+    `dp` counts the ranks that see different data: parallel.dp replicas times parallel.fsdp shards
+    (`dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
+    gradients and optimizer state over the `fsdp` ranks of one replica (`fsdp_mesh`: 1-D, or 2-D
+    (replica, shard) for HSDP). Expert parallelism splits each dp group into ep-sized groups that share
+    one copy of the routed experts (`ep_group`); `expert_dp_group` links the ranks holding the same expert shard."""
     dp: int = 1
     pp: int = 1
     tp: int = 1
@@ -67,19 +70,26 @@ class Layout:
     tp_group: object | None = None
     ep_group: object | None = None
     expert_dp_group: object | None = None
-    mesh: object | None = None  # DeviceMesh (dp_rep, ep, pp, tp); checkpoints place shards on it
+    mesh: object | None = None  # DeviceMesh (dp_rep, ep, fsdp, pp, tp); checkpoints place shards on it
+    fsdp: int = 1
+    fsdp_mesh: object | None = None  # what fully_shard gets: ("fsdp",) or ("dp_rep", "fsdp") for HSDP
 
 
-def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int = 1) -> Layout:
-    """A (dp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
-    neighbours; dp=None takes what pp and tp leave. dp is split as (dp / ep, ep) for the experts."""
-    dp = dp if dp is not None else info.world_size // (pp * tp)
+def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int = 1, fsdp: int = 1) -> Layout:
+    """A (dp, fsdp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
+    neighbours and fsdp inside dp so a replica's shards are too; dp=None takes what fsdp, pp and tp
+    leave. dp is split as (dp / ep, ep) for the experts."""
+    dp = dp if dp is not None else info.world_size // (fsdp * pp * tp)
     if info.world_size == 1:
         return Layout()
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(info.device.type, (dp // ep, ep, pp, tp), mesh_dim_names=("dp_rep", "ep", "pp", "tp"))
-    dp_mesh = mesh["dp_rep", "ep"]._flatten("dp")
-    return Layout(dp, pp, tp, ep, dp_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
-                  mesh.get_local_rank("ep"), dp_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
-                  mesh.get_group("ep"), mesh.get_group("dp_rep"), mesh)
+    mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, pp, tp),
+                            mesh_dim_names=("dp_rep", "ep", "fsdp", "pp", "tp"))
+    data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
+    fsdp_mesh = None
+    if fsdp > 1:
+        fsdp_mesh = mesh["dp_rep", "fsdp"] if dp > 1 else mesh["fsdp"]
+    return Layout(dp * fsdp, pp, tp, ep, data_mesh.get_local_rank(), mesh.get_local_rank("pp"),
+                  mesh.get_local_rank("tp"), mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"),
+                  mesh.get_group("tp"), mesh.get_group("ep"), mesh.get_group("dp_rep"), mesh, fsdp, fsdp_mesh)

@@ -3,10 +3,11 @@
 An engine runs one step's forward and backward over this rank's micro-batches, evaluates, clips
 gradients and keeps MoE balancing consistent, whatever the layout: DDP when pp == 1, the pipeline
 schedule (with the cross-stage block cache) when pp > 1; tensor + sequence parallelism (tp) and expert
-parallelism (ep) shard the model first. `engine.model` is this rank's Decoder (all of it, or the
-parts its pipeline chunks run, with its tp/ep slices): the optimizer and checkpoints use it, its
-parameter names are the single-process names in every layout, and `engine.shards` says which
-parameters are slices of larger ones.
+parallelism (ep) shard the model first; FSDP2 (parallel/fsdp.py) shards it when fsdp > 1.
+`engine.model` is this rank's Decoder (all of it, or the parts its pipeline chunks run, with its
+tp/ep slices or FSDP's DTensor shards): the optimizer and checkpoints use it, its parameter names are
+the single-process names in every layout, and `engine.shards` says which parameters are tp/ep slices
+of larger ones.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from model.decoder import Decoder
+from model.init import materialise
+from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
 from parallel.tensor import Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads
@@ -42,6 +46,15 @@ def shard_model(model: Decoder, layout: Layout) -> Shards:
     return shards
 
 
+def materialise_and_shard(model: Decoder, info: DistInfo, layout: Layout, seed: int) -> Shards:
+    """Allocate and initialise what is still on the meta device (model.init.materialise), then split for
+    tp and ep. Those slice whole modules, so under them the model is materialised on the host and the
+    engine moves the slices to the device, as before; otherwise it goes straight to the device."""
+    sliced = layout.tp > 1 or layout.ep > 1
+    materialise(model, torch.device("cpu") if sliced else info.device, model.cfg.init_stds, seed)
+    return shard_model(model, layout)
+
+
 def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged: bool) -> None:
     """After backward: complete the partial sums over tp, then average over the data-parallel ranks
     (over dp for shared parameters unless DDP already did, over the same-expert ranks for experts)."""
@@ -57,9 +70,9 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
 
 
 class DataParallelEngine:
-    def __init__(self, model: Decoder, info: DistInfo, layout: Layout):
+    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
         self.info, self.layout = info, layout
-        self.shards = shard_model(model, layout)
+        self.shards = materialise_and_shard(model, info, layout, seed)
         self.model = model.to(info.device)
         self.wrapped = model
         if layout.dp > 1:
@@ -116,14 +129,15 @@ class DataParallelEngine:
 
 class PipelineEngine:
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int,
-                 seq_len: int, microbatches: int):
+                 seq_len: int, microbatches: int, seed: int):
         from parallel.pipeline.plan import PipelinePlan
-        from parallel.pipeline.runner import PipelineRunner
+        from parallel.pipeline.runner import PipelineRunner, keep_rank_parts
 
         self.info, self.layout = info, layout
         self.plan = PipelinePlan(model.cfg, layout.pp, parallel_cfg.vp, parallel_cfg.pp_cache)
         self.microbatches = microbatches
-        self.shards = shard_model(model, layout)
+        # Pruned while still on meta: this rank never allocates the other stages' weights.
+        self.shards = materialise_and_shard(keep_rank_parts(model, self.plan, layout.pp_rank), info, layout, seed)
         # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
         tp = layout.tp
         self.runner = PipelineRunner(model.to(info.device), self.plan, layout.pp_rank, layout.pp_group,
@@ -176,25 +190,44 @@ class PipelineEngine:
 
 
 def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int, seq_len: int,
-                 microbatches: int):
+                 microbatches: int, activation_checkpointing: str = "none", seed: int = 0):
+    """`model` may be on the meta device (build_model(cfg, device="meta")): each engine allocates and
+    initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
+    materialised keep their values."""
+    apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
+    if layout.fsdp > 1:
+        from parallel.fsdp import FullyShardedEngine
+
+        return FullyShardedEngine(model, info, layout, seed)
     if layout.pp == 1:
-        return DataParallelEngine(model, info, layout)
-    return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches)
+        return DataParallelEngine(model, info, layout, seed)
+    return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed)
 
 
 def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:
     """Norm of the whole model's gradient, then clip to max_norm (0: measure only, as Megatron's
-    clip_grad=0): slices are summed over the group that splits them (tp or ep), and the stages'
-    disjoint parameters over the pipeline group."""
+    clip_grad=0): slices are summed over the group that splits them (tp or ep; a DTensor's over the
+    mesh dimensions it is sharded along, not those it is replicated over), and the stages' disjoint
+    parameters over the pipeline group."""
     device = next(model.parameters()).device
     squares = {kind: torch.zeros((), device=device) for kind in ("tp", "ep", None)}
     grads = []
     for name, p in model.named_parameters():
-        if p.grad is not None:
-            grads.append(p.grad)
-            squares[shards.kind(name)] += p.grad.detach().float().pow(2).sum()
-    local = (squares[None] + _all_reduce(squares["tp"], layout.tp_group)
-             + _all_reduce(squares["ep"], layout.ep_group))
+        if p.grad is None:
+            continue
+        grads.append(p.grad)
+        grad, kind = p.grad.detach(), shards.kind(name)
+        if isinstance(grad, DTensor):
+            kind = tuple(dim for dim, placement in zip(grad.device_mesh.mesh_dim_names, grad.placements)
+                         if placement.is_shard())
+            grad = grad.to_local()
+        squares[kind] = squares.get(kind, torch.zeros((), device=device)) + grad.float().pow(2).sum()
+    local = (squares.pop(None) + _all_reduce(squares.pop("tp"), layout.tp_group)
+             + _all_reduce(squares.pop("ep"), layout.ep_group))
+    for mesh_dims, value in squares.items():
+        for dim in mesh_dims:
+            value = _all_reduce(value, layout.mesh.get_group(dim))
+        local = local + value
     norm = math.sqrt(_all_reduce(local, layout.pp_group).item())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         for g in grads:
@@ -204,8 +237,8 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
 
 @torch.no_grad()
 def sync_moe_load(model: Decoder, layout: Layout) -> None:
-    """Sum expert load over the ranks that routed different tokens (dp, and tp's sequence slices) so
-    every rank nudges its balancing bias the same way."""
+    """Sum expert load over the ranks that routed different tokens (dp, which counts the fsdp shards,
+    and tp's sequence slices) so every rank nudges its balancing bias the same way."""
     for moe in model.moe_layers():
         _all_reduce(_all_reduce(moe.load_counts, layout.dp_group), layout.tp_group)
 

@@ -9,8 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from model import build_model
 from model.params import count_parameters
 from trainer.config import ConfigError, load_config, validate_layout
@@ -20,8 +18,7 @@ from trainer.lock import check_run_dir
 
 def total_parameters(cfg) -> int:
     """The whole model's parameter count, without allocating it (meta tensors)."""
-    with torch.device("meta"):
-        return count_parameters(build_model(cfg))["total"]
+    return count_parameters(build_model(cfg, device="meta"))["total"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,7 @@ class TrainConfig:
     decay_fraction: float = 0.2
     min_lr_ratio: float = 0.1
     allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
+    activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/checkpointing.py)
 
 
 @dataclass
@@ -83,7 +84,8 @@ class LoggingConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int | None = None             # data-parallel replicas; null: world size / pp
+    dp: int | None = None             # data-parallel replicas; null: world size / (fsdp * pp * tp)
+    fsdp: int = 1                     # ranks sharding parameters, gradients and optimizer state (FSDP2) per replica
     pp: int = 1                       # pipeline ranks
     vp: int = 1                       # virtual stages (chunks) per pipeline rank
     schedule: str = "interleaved_1f1b"
@@ -122,6 +124,7 @@ CHOICES = {
     "model.init": INIT_SCHEMES,
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
+    "train.activation_checkpointing": ("none", "full", "selective"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),
 }
@@ -135,7 +138,8 @@ RANGES = (
       "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
       "variant.streams", "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch",
       "train.log_every", "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_last",
-      "train.diag_every", "train.max_bad_steps", "parallel.pp", "parallel.vp", "parallel.tp", "parallel.ep"),
+      "train.diag_every", "train.max_bad_steps", "parallel.pp", "parallel.vp", "parallel.tp", "parallel.ep",
+      "parallel.fsdp"),
      lambda v: v > 0, "must be positive"),
     (("model.init_std", "model.norm_eps", "model.moe.routed_scaling_factor", "optim.lr", "optim.eps",
       "optim.muon_lr"),
@@ -217,6 +221,14 @@ def validate(cfg: Config) -> Config:
         if m.moe.aux_loss_coef:
             raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
                               "whole sequences and is not supported with parallel.tp > 1; set it to 0")
+    if p.fsdp > 1:
+        composed = [f"parallel.{key}={getattr(p, key)}" for key in ("pp", "tp", "ep") if getattr(p, key) > 1]
+        if composed:
+            raise ConfigError(f"parallel.fsdp={p.fsdp} with {' and '.join(composed)} is not composed yet; "
+                              "fsdp combines with dp (replicas, HSDP) only")
+        if cfg.optim.name == "muon":
+            raise ConfigError(f"optim=muon with parallel.fsdp={p.fsdp} is not supported: Muon orthogonalises whole "
+                              "matrices and fsdp ranks hold row shards; use optim=adamw")
     if m.moe.n_routed_experts % p.ep:
         raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
@@ -244,23 +256,26 @@ def validate(cfg: Config) -> Config:
 
 
 def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
-    """Check the parallel layout against the processes started; returns (dp, microbatches per step)."""
+    """Check the parallel layout against the processes started; returns (data-parallel ranks, i.e. dp *
+    fsdp, and microbatches per step)."""
     p, t = cfg.parallel, cfg.train
-    dp = p.dp if p.dp is not None else max(1, world_size // (p.pp * p.tp))
-    if dp * p.pp * p.tp != world_size:
-        raise ConfigError(f"parallel.dp * parallel.pp * parallel.tp = {dp} * {p.pp} * {p.tp} = {dp * p.pp * p.tp} "
-                          f"does not match the {world_size} processes started (torchrun --nproc-per-node x --nnodes)")
+    dp = p.dp if p.dp is not None else max(1, world_size // (p.fsdp * p.pp * p.tp))
+    if dp * p.fsdp * p.pp * p.tp != world_size:
+        raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = {dp} * {p.fsdp} * {p.pp} * "
+                          f"{p.tp} = {dp * p.fsdp * p.pp * p.tp} does not match the {world_size} processes started "
+                          "(torchrun --nproc-per-node x --nnodes)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size dp={dp}: expert-parallel groups "
                           "are carved out of the data-parallel ranks")
-    if t.global_batch % (t.micro_batch * dp):
-        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of "
-                          f"train.micro_batch * dp = {t.micro_batch} * {dp}")
-    microbatches = t.global_batch // (t.micro_batch * dp)
+    data_ranks = dp * p.fsdp  # fsdp ranks split the batch like replicas do
+    if t.global_batch % (t.micro_batch * data_ranks):
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch * dp * "
+                          f"fsdp = {t.micro_batch} * {dp} * {p.fsdp}")
+    microbatches = t.global_batch // (t.micro_batch * data_ranks)
     if p.pp > 1 and p.vp > 1 and microbatches % p.pp:
         raise ConfigError(f"interleaved pipelining needs the microbatches per step (train.global_batch / "
                           f"(train.micro_batch * dp) = {microbatches}) to be a multiple of parallel.pp={p.pp}")
-    return dp, microbatches
+    return data_ranks, microbatches
 
 
 def _one_line(error: OmegaConfBaseException) -> str:

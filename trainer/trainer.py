@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from model import build_model
 from parallel.dims import DistInfo, build_layout, barrier
@@ -95,12 +96,14 @@ class Trainer:
         cfg, info = self.cfg, self.info
         train, parallel = cfg.train, cfg.parallel
         _, self.accumulation = validate_layout(cfg, info.world_size)
-        self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep)
+        self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep, parallel.fsdp)
         self._check_resume_target()
         self._open_data()
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every layout
-        self.engine = build_engine(build_model(cfg), info, self.layout, parallel, train.micro_batch,
-                                   train.seq_len, self.accumulation)
+        torch.manual_seed(cfg.seed)  # identical random streams on every rank
+        # Built on meta: each engine materialises only this rank's part, with the weights one process
+        # would have for cfg.seed (model.init).
+        self.engine = build_engine(build_model(cfg, device="meta"), info, self.layout, parallel, train.micro_batch,
+                                   train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed)
         self.model = self.engine.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, train)
@@ -314,12 +317,14 @@ class Trainer:
 
     def _announce(self, log: MetricsLogger) -> None:
         cfg, info = self.cfg, self.info
-        n_params = sum(p.numel() for p in self.model.parameters())
+        # Under fsdp a parameter is a DTensor whose numel is the whole tensor's; this rank holds its shard.
+        n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in self.model.parameters())
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         log.print(f"run {self.run_dir}: model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks "
                   f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
                   f"world={info.world_size} ({info.backend or 'single process'}, {info.device}; "
-                  f"dp={self.layout.dp} pp={self.layout.pp} tp={self.layout.tp} ep={self.layout.ep}), "
+                  f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) pp={self.layout.pp} tp={self.layout.tp} "
+                  f"ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
 
     def _crash_marker(self) -> Path:
@@ -412,7 +417,9 @@ class Trainer:
         """Per-sublayer output RMS and depth weights (from the first micro-batch), per-block gradient RMS."""
         grad_rms = {}
         for index, block in model.layers.items():
-            grads = [p.grad.float().pow(2).sum() for p in block.parameters() if p.grad is not None]
+            squares = [p.grad.float().pow(2).sum() for p in block.parameters() if p.grad is not None]
+            # Under FSDP a gradient is a DTensor shard: full_tensor() sums the shards' squares over the ranks.
+            grads = [square.full_tensor() if isinstance(square, DTensor) else square for square in squares]
             count = sum(p.numel() for p in block.parameters() if p.grad is not None)
             grad_rms[index] = math.sqrt(torch.stack(grads).sum().item() / count) if grads else 0.0
         out = {"output_rms": {str(k): v for k, v in recorded.get("output_rms", {}).items()}, "grad_rms": grad_rms}

@@ -20,7 +20,9 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder:
-    """Delete, in place, every part of the decoder that no chunk of this rank runs."""
+    """Delete, in place, every part of the decoder that no chunk of this rank runs. The engine calls it
+    on the meta-device model before materialising, so a rank never allocates other stages' weights;
+    a second call (PipelineRunner's, for callers that pass a whole model) finds nothing to delete."""
     chunks = plan.chunks_of(pp_rank)
     owned = {str(b) for c in chunks for b in plan.chunk_blocks[c]}
     for key in [k for k in model.layers.keys() if k not in owned]:

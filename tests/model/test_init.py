@@ -66,7 +66,7 @@ def test_norms_queries_and_biases_start_neutral():
 
 
 def test_initialise_is_the_only_source_of_initial_values():
-    """Re-running initialise from the same RNG state on a model whose weights were overwritten gives the
+    """Re-running initialise with the same seed on a model whose weights were overwritten gives the
     same weights as on a fresh copy: nothing depends on values set in a constructor."""
     cfg = load_config(["model=xs", "variant=full"])
     fresh, scrambled = build_model(cfg), build_model(cfg)
@@ -74,8 +74,7 @@ def test_initialise_is_the_only_source_of_initial_values():
         for param in scrambled.parameters():
             param.fill_(7.0)
     for model in (fresh, scrambled):
-        torch.manual_seed(3)
-        initialise(model, cfg.model.init_stds)
+        initialise(model, cfg.model.init_stds, seed=3)
     for (name, a), b in zip(fresh.state_dict().items(), scrambled.state_dict().values()):
         assert torch.equal(a, b), name
 

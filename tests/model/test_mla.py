@@ -19,7 +19,7 @@ def attn() -> MultiHeadLatentAttention:
     torch.manual_seed(0)
     cfg = small_cfg()
     attn = MultiHeadLatentAttention(cfg)
-    initialise(attn, cfg.init_stds)
+    initialise(attn, cfg.init_stds, seed=0)
     return attn.eval()
 
 

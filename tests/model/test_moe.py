@@ -13,7 +13,7 @@ def make_moe(d=8, experts=4, top_k=2, inter=6, shared=1, scale=1.0, rate=1e-3, a
         n_routed_experts=experts, top_k=top_k, moe_inter=inter, n_shared_experts=shared,
         routed_scaling_factor=scale, bias_update_rate=rate, aux_loss_coef=aux))
     moe = MoE(cfg)
-    initialise(moe, cfg.init_stds)
+    initialise(moe, cfg.init_stds, seed)
     return moe
 
 
@@ -137,7 +137,7 @@ def test_gradients_reach_router_experts_and_shared():
 def test_shared_expert_is_swiglu():
     torch.manual_seed(0)
     mlp = SwiGLU(8, 12)
-    initialise(mlp, init_stds("flat", 0.3, d_model=8, n_sublayers=2))
+    initialise(mlp, init_stds("flat", 0.3, d_model=8, n_sublayers=2), seed=0)
     x = torch.randn(5, 8)
     expected = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
     torch.testing.assert_close(mlp(x), expected)

@@ -78,7 +78,7 @@ def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, f
 
 
 @pytest.mark.parametrize("overrides, world, fragment", [
-    (["parallel=tp2_pp2"], 2, "parallel.dp * parallel.pp * parallel.tp = 1 * 2 * 2 = 4 does not match the 2"),
+    (["parallel=tp2_pp2"], 2, "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 1 * 1 * 2 * 2 = 4 does not match the 2"),
     (["parallel=dp2_ep2", "parallel.dp=1", "parallel.tp=2"], 2, "parallel.ep=2 must divide the data-parallel size dp=1"),
 ])
 def test_tp_and_ep_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):

@@ -1,0 +1,127 @@
+"""Activation memory and step time of train.activation_checkpointing = none | full | selective, one process.
+
+Activation bytes are measured, not estimated: every tensor storage an op creates during the forward is
+tracked (a TorchDispatchMode holding weak references), so `saved` is what the forward leaves alive
+for backward (saved tensors, checkpoint inputs, the selective cache, the logits) and `peak` the most
+that was alive at once during the forward. Parameters, buffers and views of them are not counted. Step time (forward + backward)
+is timed in separate rounds without the tracker, modes interleaved so load drift hits all alike.
+
+    python -m scripts.bench_memory [--model m] [--variant block] [--batch 2] [--seq 256] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from model import build_model
+from parallel.checkpointing import MODES, apply_activation_checkpointing
+from trainer.config import load_config
+
+
+class StorageTracker(TorchDispatchMode):
+    """Bytes of the storages created under this mode that are still alive, and the peak of that."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        # Views of weights (w[e], W.t()) share the weights' storage: not activations.
+        self.weights = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.current = self.peak = 0
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live.pop(key, None)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and key not in self.weights:
+                    nbytes = storage.nbytes()
+                    ref = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._freed(key, nbytes))
+                    self.live[key] = (ref, nbytes)
+                    self.current += nbytes
+                    self.peak = max(self.peak, self.current)
+        return out
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()) + model.aux_loss()
+
+
+def activation_bytes(model, tokens: torch.Tensor) -> tuple[int, int]:
+    """(bytes alive after the forward, peak bytes alive during it); runs the backward too."""
+    with StorageTracker(model) as tracker:
+        loss = loss_of(model, tokens)
+    saved, peak = tracker.current, tracker.peak
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return saved, peak
+
+
+def step_seconds(model, tokens: torch.Tensor) -> float:
+    start = time.perf_counter()
+    loss_of(model, tokens).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def build(args, mode: str):
+    torch.manual_seed(0)
+    model = build_model(load_config([f"model={args.model}", f"variant={args.variant}"]))
+    apply_activation_checkpointing(model, mode)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="m")
+    parser.add_argument("--variant", default="block")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = {mode: build(args, mode) for mode in MODES}
+    vocab = models["none"].cfg.vocab_size
+    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    memory = {mode: [activation_bytes(model, tokens) for _ in range(args.repeats)] for mode, model in models.items()}
+    times = {mode: [] for mode in MODES}
+    for model in models.values():  # warm-up
+        step_seconds(model, tokens)
+    for _ in range(args.repeats):
+        for mode, model in models.items():
+            times[mode].append(step_seconds(model, tokens))
+
+    base_saved = memory["none"][0][0]
+    base_time = statistics.median(times["none"])
+    print(f"model={args.model} variant={args.variant} batch={args.batch} seq={args.seq} repeats={args.repeats} "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'mode':<10} {'saved MiB':>10} {'vs none':>8} {'fwd peak MiB':>13} {'step s (median)':>16} "
+          f"{'min..max':>14} {'vs none':>8}")
+    for mode in MODES:
+        saved = {s for s, _ in memory[mode]}
+        peaks = {p for _, p in memory[mode]}
+        if len(saved) > 1 or len(peaks) > 1:
+            raise RuntimeError(f"{mode}: activation bytes differ between repeats: {memory[mode]}")
+        s, p = saved.pop(), peaks.pop()
+        t = times[mode]
+        print(f"{mode:<10} {s / 2**20:>10.1f} {s / base_saved:>8.2f} {p / 2**20:>13.1f} "
+              f"{statistics.median(t):>16.3f} {min(t):>6.3f}..{max(t):<6.3f} {statistics.median(t) / base_time:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Run under torchrun (gloo): one FSDP2 training step vs the same step in one process. Every rank
+gathers its sharded gradients into whole ones and compares them with its own single-process copy,
+then takes one AdamW step and reports its parameter + optimizer-state bytes; rank 0 prints one JSON
+line per case, a CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line.
+
+    torchrun --nproc-per-node 2 tests/parallel/fsdp_parity_worker.py      # fsdp=2
+    torchrun --nproc-per-node 4 tests/parallel/fsdp_parity_worker.py      # dp=2 x fsdp=2 (HSDP)
+"""
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from model import build_model
+from parallel.dims import DistInfo, build_layout
+from parallel import fsdp
+from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
+from trainer.config import ParallelConfig, load_config
+
+MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
+
+CASES = {
+    # block_size 4 and 3: AttnRes blocks span 2 and 3 transformer blocks (units of 2 and 3 blocks)
+    2: [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s}
+        for v, s in (("baseline", 2), ("full", 1), ("block", 2), ("block", 4), ("block", 3), ("mhc", 2))],
+    4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}],
+}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors) -> int:
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def state_bytes(model, optimizer) -> int:
+    """This rank's parameters plus its AdamW moments (step counters are scalars)."""
+    moments = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return local_bytes(model.parameters()) + local_bytes(moments)
+
+
+def adamw_bytes(model) -> int:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()
+    return state_bytes(model, optimizer)
+
+
+def run_case(case: dict, info: DistInfo) -> dict:
+    cfg = load_config(["model=xs", f"variant={case['variant']}", f"variant.block_size={case['block_size']}"])
+    data_ranks = case["dp"] * case["fsdp"]
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.model.vocab_size, (data_ranks * MICROBATCHES * MICRO_BATCH, SEQ + 1),
+                           generator=generator)
+    batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
+
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    losses = [cross_entropy(reference(x), y) for x, y in batches]
+    reference_loss = torch.stack(losses).mean()
+    reference_loss.backward()
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
+    reference_load = [moe.load_counts.clone() for moe in reference.moe_layers()]
+
+    layout = build_layout(info, case["dp"], 1, 1, 1, case["fsdp"])
+    parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"])
+    # Built on meta and filled shard by shard (parallel.fsdp.fill_shards): one process's initial weights.
+    engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
+                          seed=cfg.seed)
+    reference_params = dict(reference.named_parameters())
+    init_error = max((whole(p.detach()) - reference_params[name].detach()).abs().max().item()
+                     for name, p in engine.model.named_parameters())
+    mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+    loss = engine.forward_backward(mine, contextlib.nullcontext, None)
+    grad_norm = engine.clip_grad_norm(0.0)
+    sync_moe_load(engine.model, layout)
+    load_error = max([(m.load_counts - r).abs().max().item() for m, r in zip(engine.model.moe_layers(), reference_load)]
+                     or [0])
+
+    worst, worst_name = 0.0, ""
+    for name, p in engine.model.named_parameters():
+        error = (whole(p.grad) - reference_grads[name]).abs().max().item()
+        if error > worst:
+            worst, worst_name = error, name
+
+    result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm),
+                           float(load_error), init_error])
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    units = [[block.index for block in unit] for unit in fsdp.shard_units(engine.model)]
+    sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
+            "worst_param": worst_name, "grad_norm": grad_norm, "grad_norm_error": result[2].item(),
+            "moe_load_error": result[3].item(), "init_error": result[4].item(), "units": units, "all_params_sharded": sharded}
+
+
+def cut_read_blocks_control(info: DistInfo) -> dict:
+    """Negative control: one unit per transformer block although the two-phase read batches the queries
+    of an AttnRes block of 4 sublayers (2 transformer blocks)."""
+    original = fsdp.shard_units
+    fsdp.shard_units = lambda model: [[block] for block in model.layers.values()]
+    try:
+        return run_case({"dp": info.world_size // 2, "fsdp": 2, "variant": "block", "block_size": 4}, info)
+    except Exception as error:  # noqa: BLE001 - what the cut does is the result
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+    finally:
+        fsdp.shard_units = original
+
+
+def memory(info: DistInfo) -> dict:
+    """Per-rank parameter + AdamW-state bytes at model=xs, one process vs this layout."""
+    cfg = load_config(["model=xs"])
+    torch.manual_seed(0)
+    single = adamw_bytes(build_model(cfg))
+    dp, fsdp = (2, 2) if info.world_size == 4 else (1, 2)
+    engine = build_engine(build_model(cfg), info, build_layout(info, dp, 1, 1, 1, fsdp),
+                          ParallelConfig(dp=dp, fsdp=fsdp), MICRO_BATCH, SEQ, MICROBATCHES)
+    per_rank = torch.tensor([adamw_bytes(engine.model)], dtype=torch.float64)
+    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+    return {"dp": dp, "fsdp": fsdp, "single_bytes": single, "max_rank_bytes": int(per_rank.item())}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+    results = [run_case(case, info) for case in CASES[info.world_size]]
+    control = cut_read_blocks_control(info)
+    usage = memory(info)
+    if info.rank == 0:
+        for result in results:
+            print("CASE " + json.dumps(result), flush=True)
+        print("CONTROL " + json.dumps(control), flush=True)
+        print("MEMORY " + json.dumps(usage), flush=True)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""FSDP2 (parallel.fsdp): one step equals one process (fsdp=2 for every residual variant, AttnRes blocks
+spanning 2 and 3 transformer blocks, dp=2 x fsdp=2 HSDP), per-rank parameter + optimizer bytes halve,
+the trainer trains like one process and checkpoints move between fsdp2 and one process both ways,
+layouts it does not compose with yet are refused in one line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import fast_train_overrides, torchrun
+from parallel.dims import init_distributed
+from trainer.config import ConfigError, load_config, validate_layout
+from trainer.trainer import Trainer
+
+WORKER = Path(__file__).with_name("fsdp_parity_worker.py")
+
+
+def launch_worker(nproc: int) -> dict[str, list[dict]]:
+    """The worker's JSON lines by kind: CASE, CONTROL, MEMORY."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {"CASE": [], "CONTROL": [], "MEMORY": []}
+    for line in result.stdout.splitlines():
+        kind, _, value = line.partition(" ")
+        if kind in lines:
+            lines[kind].append(json.loads(value))
+    return lines
+
+
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 6), (4, 1)])
+def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases):
+    lines = launch_worker(nproc)
+    cases, (control,), (usage,) = lines["CASE"], lines["CONTROL"], lines["MEMORY"]
+    print(f"model=xs parameters + AdamW state per rank: one process {usage['single_bytes']} bytes, "
+          f"dp={usage['dp']} x fsdp={usage['fsdp']} {usage['max_rank_bytes']} bytes (largest rank), "
+          f"ratio {usage['max_rank_bytes'] / usage['single_bytes']:.3f}")
+    assert len(cases) == expected_cases
+    for case in cases:
+        assert case["all_params_sharded"], case
+        assert case["init_error"] == 0, case  # sharded from meta: bitwise one process's initial weights
+        assert case["loss_error"] < 2e-6, case
+        assert case["grad_error"] < 2e-6, case
+        assert case["grad_norm_error"] < 2e-6, case
+        assert case["moe_load_error"] == 0, case  # expert load summed over every data rank
+    units = {case["block_size"]: case["units"] for case in cases if case["variant"] == "block"}
+    assert units[4] == [[0, 1], [2, 3]]
+    if nproc == 2:
+        assert units[2] == [[0], [1], [2], [3]] and units[3] == [[0, 1, 2], [3]]
+    # Units that cut an AttnRes block: the first sublayer's batched read meets the next unit's sharded queries.
+    assert "mixed torch.Tensor and DTensor" in control["error"], control
+
+
+def metrics(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {key: {r["step"]: r[key] for r in records if key in r} for key in ("loss", "grad_norm", "val_loss")}
+
+
+def diagnostics(run_dir):
+    return [json.loads(line) for line in (run_dir / "diagnostics.jsonl").read_text().splitlines()]
+
+
+def single(run_dir, dataset, **extra):
+    Trainer(load_config(fast_train_overrides(run_dir, dataset, steps=4, **extra)), init_distributed()).fit()
+
+
+def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
+    """Stopped after 3 fsdp2 steps, the run resumes in one process; a single-process checkpoint resumes
+    under fsdp2; both have one process's losses and gradient norms (rel 1e-5), validation loss and
+    per-block gradient RMS. A factor 2 in the gradient would double the norm; one in the LR moves the
+    losses by far more than the tolerance (checked below)."""
+    clip = {"train.grad_clip": 0.5}  # the gradient norms are ~0.9: clipping is active every step
+    straight = tmp_path / "straight"
+    single(straight, tiny_dataset, **clip)
+    reference = metrics(straight)
+
+    fsdp_first = tmp_path / "fsdp_first"
+    result = torchrun(fast_train_overrides(fsdp_first, tiny_dataset, steps=4, parallel="fsdp2",
+                                           **clip, **{"train.stop_after": 3}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single(fsdp_first, tiny_dataset, **clip)
+
+    single_first = tmp_path / "single_first"
+    single(single_first, tiny_dataset, **clip, **{"train.stop_after": 3})
+    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="fsdp2", **clip))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    for run in (fsdp_first, single_first):
+        found = metrics(run)
+        assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
+        for key in ("loss", "grad_norm"):
+            for step, value in found[key].items():
+                assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
+        assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name
+    # Diagnostics of step 3, written under fsdp2 in fsdp_first: whole-block gradient RMS from the shards,
+    # output RMS from rank 0's first micro-batch (one process's first).
+    (written,), (expected,) = diagnostics(fsdp_first), diagnostics(straight)
+    assert written["step"] == expected["step"] == 3
+    for kind in ("grad_rms", "output_rms"):
+        assert written[kind].keys() == expected[kind].keys(), kind
+        for key, value in written[kind].items():
+            assert value == pytest.approx(expected[kind][key], rel=1e-5), (kind, key)
+
+    doubled_lr = tmp_path / "doubled_lr"
+    single(doubled_lr, tiny_dataset, **clip, **{"optim.lr": 2 * load_config().optim.lr, "train.stop_after": 3})
+    moved = max(abs(metrics(doubled_lr)["loss"][step] / reference["loss"][step] - 1) for step in (2, 3))
+    assert moved > 1e-3  # 100x the tolerance
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel=fsdp2", "parallel.tp=2"], "parallel.fsdp=2 with parallel.tp=2 is not composed yet"),
+    (["parallel=fsdp2", "parallel.pp=2", "parallel.ep=2"],
+     "parallel.fsdp=2 with parallel.pp=2 and parallel.ep=2 is not composed yet"),
+    (["parallel=fsdp2", "optim=muon"], "optim=muon with parallel.fsdp=2 is not supported"),
+    (["parallel.fsdp=0"], "parallel.fsdp=0 must be positive"),
+])
+def test_fsdp_layouts_not_composed_yet_are_refused_in_one_line(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment) as error:
+        load_config(overrides)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["parallel=fsdp2"], 2, (2, 1)),
+    (["parallel=dp2_fsdp2", "train.micro_batch=2"], 4, (4, 2)),
+    (["parallel.fsdp=4", "train.micro_batch=2"], 8, (8, 1)),   # dp=null takes what fsdp leaves: 2 replicas
+])
+def test_fsdp_ranks_split_the_batch_like_replicas(overrides, world, expected):
+    assert validate_layout(load_config(overrides), world) == expected
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["parallel=dp2_fsdp2"], 2, "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 2 * 2 * 1 * 1 = 4 "
+                                "does not match the 2 processes"),
+    (["parallel=dp2_fsdp2"], 4, "train.global_batch=16 must be a multiple of train.micro_batch * dp * fsdp = 8 * 2 * 2"),
+])
+def test_fsdp_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("*", r"\*")):
+        validate_layout(load_config(overrides), world)
+
+
+def test_dp2_fsdp2_trains_like_one_process(tmp_path, tiny_dataset):
+    """HSDP on 4 ranks (2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses,
+    gradient norms and validation loss (rel 1e-5)."""
+    one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
+    straight = tmp_path / "straight"
+    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=3, **one_each)), init_distributed()).fit()
+    hsdp = tmp_path / "hsdp"
+    result = torchrun(fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each), nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, found = metrics(straight), metrics(hsdp)
+    assert sorted(found["loss"]) == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        for step, value in found[key].items():
+            assert value == pytest.approx(reference[key][step], rel=1e-5), (key, step)
+    # 2 validation batches over 4 data ranks: ranks 2 and 3 run a forward for the shards' sake and count nothing
+    assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
