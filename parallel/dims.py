@@ -87,9 +87,14 @@ def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int =
     mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, pp, tp),
                             mesh_dim_names=("dp_rep", "ep", "fsdp", "pp", "tp"))
     data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
-    fsdp_mesh = None
-    if fsdp > 1:
+    fsdp_mesh, expert_dp_group = None, mesh.get_group("dp_rep")
+    if fsdp > 1 and ep > 1:
+        # fsdp x ep: the shards' replicas are all dp ranks (ep ones included), while the ranks holding
+        # the same experts (replicated, not fsdp-sharded) are the dp_rep x fsdp ranks of one ep index.
+        fsdp_mesh = data_mesh._unflatten(0, (dp, fsdp), ("replica", "fsdp"))
+        expert_dp_group = mesh["dp_rep", "fsdp"]._flatten("expert_dp").get_group()
+    elif fsdp > 1:
         fsdp_mesh = mesh["dp_rep", "fsdp"] if dp > 1 else mesh["fsdp"]
     return Layout(dp * fsdp, pp, tp, ep, data_mesh.get_local_rank(), mesh.get_local_rank("pp"),
                   mesh.get_local_rank("tp"), mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"),
-                  mesh.get_group("tp"), mesh.get_group("ep"), mesh.get_group("dp_rep"), mesh, fsdp, fsdp_mesh)
+                  mesh.get_group("tp"), mesh.get_group("ep"), expert_dp_group, mesh, fsdp, fsdp_mesh)

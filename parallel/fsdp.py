@@ -6,7 +6,8 @@ of them must be unsharded together), then the root (embedding, final read, norm,
 are DTensors sharded along dim 0 over the fsdp ranks of one replica (Replicate x Shard for HSDP,
 dp > 1); buffers (the MoE expert bias and load counts) stay whole on every rank. Each micro-batch's
 backward reduce-scatters its gradients (averaged over every data rank: replicas and shards); the
-optimizer then steps on this rank's shards only.
+optimizer then steps on this rank's shards only. Under pp each pipeline chunk is sharded instead
+(shard_pipeline_chunks: one reduce-scatter per step); under ep the experts' ep slices stay out of it.
 """
 from __future__ import annotations
 
@@ -15,22 +16,28 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.decoder import Decoder
 from model.init import materialise
 from model.layer import TransformerBlock
 from parallel.dims import DistInfo, Layout
-from parallel.parallelize import _all_reduce, clip_grad_norm, cross_entropy
-from parallel.tensor import Shards
+from parallel.expert import expert_param_names
+from parallel.parallelize import (_all_reduce, clip_grad_norm, cross_entropy, finish_gradients, rank_share,
+                                  shard_model)
 
 
 def shard_units(model: Decoder) -> list[list[TransformerBlock]]:
     """Consecutive transformer blocks, cut only where an AttnRes block ends if the two-phase read is on
     (block_size 1 or 2 sublayers: every transformer block is a unit; 4: pairs; 3: triples)."""
-    sublayers_per_read_block = model.mixer.block_size if getattr(model.mixer, "two_phase", False) else 1
+    return read_block_units(list(model.layers.values()), model.mixer)
+
+
+def read_block_units(blocks: list[TransformerBlock], mixer) -> list[list[TransformerBlock]]:
+    """`blocks` (consecutive) cut where an AttnRes block of the two-phase read ends, and at the end."""
+    sublayers_per_read_block = mixer.block_size if getattr(mixer, "two_phase", False) else 1
     units, unit = [], []
-    for block in model.layers.values():
+    for block in blocks:
         unit.append(block)
         if (block.attn_sublayer + 1) % sublayers_per_read_block == 0:
             units.append(unit)
@@ -47,24 +54,54 @@ def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: Decoder, layout: Layout, device: torch.device) -> Decoder:
+def apply_fsdp(model: Decoder, layout: Layout, device: torch.device, ignored: set[nn.Parameter]) -> Decoder:
+    """`ignored`: parameters FSDP leaves as they are (the ep slices of the routed experts)."""
     policy = mixed_precision(device)
     for unit in shard_units(model):
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=layout.fsdp_mesh, mp_policy=policy)
-    return fully_shard(model, mesh=layout.fsdp_mesh, mp_policy=policy)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=layout.fsdp_mesh, mp_policy=policy,
+                    ignored_params=ignored)
+    return fully_shard(model, mesh=layout.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
 
 
-def fill_shards(sharded: nn.Module, template: nn.Module, seed: int) -> None:
+def shard_pipeline_chunks(chunks: list[nn.Module], rank_model: Decoder, template: Decoder | None, layout: Layout,
+                          device: torch.device, seed: int) -> None:
+    """FSDP2 under pp: each of this rank's pipeline chunks (a stage's module) becomes an FSDP root over
+    the fsdp ranks of its stage, with its read-block units of transformer blocks inside (a chunk starts a
+    new unit: the two-phase read only batches the queries of the chunk's own sublayers). The pipeline
+    schedule then holds gradient reduction until the step's last microbatch and reduce-scatters once
+    (torch.distributed.pipelining drives FSDPModule stages itself). Parameters stay gathered between a
+    microbatch's forward and backward (reshard_after_forward=False, torchtitan's choice under pp: no
+    second all-gather per microbatch). `rank_model` (on meta, holding only this rank's parts) is then
+    allocated and filled from `template`, its unsharded meta copy, shard by shard; with no template
+    (a model built whole) it is sharded as it is."""
+    policy = mixed_precision(device)
+    if template is None:
+        rank_model.to(device)
+    for chunk in chunks:
+        for unit in read_block_units(list(chunk.layers.values()), chunk.mixer):
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=layout.fsdp_mesh, mp_policy=policy,
+                        reshard_after_forward=False)
+        fully_shard(chunk, mesh=layout.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    if template is not None:
+        rank_model.to_empty(device=device)
+        fill_shards(rank_model, template, seed)
+
+
+def fill_shards(sharded: nn.Module, template: nn.Module, seed: int, slice_of=None) -> None:
     """Initialise a fully_shard-ed model allocated with to_empty from `template`, an unsharded meta copy:
     the template is materialised on the host one init unit at a time (model.init.materialise), and
     each full parameter leaves only this rank's shard behind, so a rank holds its shards plus one unit
-    and starts from exactly the weights one process has for the same seed."""
+    and starts from exactly the weights one process has for the same seed. A parameter FSDP left
+    plain takes `slice_of(name, full)` (its ep slice), or the full tensor without one."""
     params = dict(sharded.named_parameters())
 
     def keep_shard(name: str, full: torch.Tensor) -> torch.Tensor:
         param = params[name]
         # Every rank computes the same full tensor, so each takes its own chunk without communication.
-        shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        else:
+            shard = slice_of(name, full) if slice_of is not None else full
         with torch.no_grad():
             param.copy_(shard)  # same placements: a local copy
         return torch.empty_like(full, device="meta")
@@ -77,20 +114,30 @@ def fill_shards(sharded: nn.Module, template: nn.Module, seed: int) -> None:
 
 
 class FullyShardedEngine:
-    """pp == tp == ep == 1 (parallel.fsdp is refused with them for now); `model` is the fully_shard-ed
-    Decoder, whose parameters (and so its optimizer state and checkpoint entries) are DTensors. A model
-    on the meta device is sharded first and then filled shard by shard (fill_shards); a built one is
-    sharded as it is."""
+    """pp == tp == 1 (PipelineEngine shards its chunks itself; tp is refused with fsdp). `model` is the
+    fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
+    DTensors. Under ep the routed experts are ep slices left out of fully_shard (plain tensors, whole
+    on the fsdp ranks of one ep index, their gradients averaged over those ranks after the step as
+    under DDP); every other parameter is sharded over fsdp and replicated over all dp ranks (HSDP).
+    A model on the meta device is sharded first and then filled shard by shard (fill_shards); a built
+    one is sharded as it is."""
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
         self.info, self.layout = info, layout
-        self.shards = Shards(mesh=layout.mesh)  # no tp/ep slices; DCP handles the DTensors itself
         on_meta = any(p.is_meta for p in model.parameters())
         template = copy.deepcopy(model) if on_meta else None  # meta: costs nothing
-        self.model = apply_fsdp(model if on_meta else model.to(info.device), layout, info.device)
+        # The ep slices (checkpoints place them on the mesh); DCP handles FSDP's DTensors itself.
+        self.shards = shard_model(model if on_meta else model.to(info.device), layout)
+        experts = set(expert_param_names(self.shards))
+        ignored = {p for name, p in model.named_parameters() if name in experts}
+        self.model = apply_fsdp(model, layout, info.device, ignored)
         if template is not None:
             self.model.to_empty(device=info.device)
-            fill_shards(self.model, template, seed)
+            fill_shards(self.model, template, seed, slice_of=self._expert_slice)
+
+    def _expert_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        dim, _ = self.shards.dims[name]
+        return full.chunk(self.layout.ep, dim)[self.layout.ep_rank]
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """Mean loss of the step over all tokens of all ranks (FSDP averages gradients over the data ranks)."""
@@ -101,6 +148,7 @@ class FullyShardedEngine:
             loss = cross_entropy(logits, targets)
             ((loss + self.model.aux_loss().to(loss.device)) / len(micro_batches)).backward()
             total += loss.detach()
+        finish_gradients(self.model, self.layout, self.shards, dp_averaged=True)  # the experts, under ep
         return _all_reduce(total / len(micro_batches), self.layout.dp_group) / self.layout.dp
 
     @torch.no_grad()
@@ -110,14 +158,10 @@ class FullyShardedEngine:
         batch left in the last round runs one anyway and does not count it."""
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        data_ranks, rank = self.layout.dp, self.layout.dp_rank
-        rounds = -(-len(batches) // data_ranks)
-        for round_start in range(0, rounds * data_ranks, data_ranks):
-            index = round_start + rank
-            inputs, targets = batches[min(index, len(batches) - 1)]
+        for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=True):
             with autocast():
                 loss = cross_entropy(self.model(inputs), targets).item()
-            if index < len(batches):
+            if counted:
                 loss_sum += loss * targets.numel()
                 tokens += targets.numel()
         self.model.train()

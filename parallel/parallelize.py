@@ -12,6 +12,8 @@ of larger ones.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
 
 import torch
@@ -36,6 +38,19 @@ def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(value, op=op, group=group)
     return value
+
+
+def rank_share(items: list, layout: Layout, lockstep: bool):
+    """This rank's share of `items` (every dp-th, from dp_rank) as (item, counted) pairs. In lockstep
+    every data rank runs the same number of forwards, because a forward talks to the other data ranks
+    (FSDP gathers parameters, expert parallelism sends tokens to the ep peers): a rank whose share is one
+    short runs its last item again and does not count it."""
+    data_ranks, rank = layout.dp, layout.dp_rank
+    if not lockstep:
+        return [(items[i], True) for i in range(rank, len(items), data_ranks)]
+    rounds = -(-len(items) // data_ranks)
+    return [(items[min(index, len(items) - 1)], index < len(items))
+            for index in range(rank, rounds * data_ranks, data_ranks)]
 
 
 def shard_model(model: Decoder, layout: Layout) -> Shards:
@@ -108,14 +123,13 @@ class DataParallelEngine:
         """(sum of loss * tokens, tokens) over this rank's share of the batches."""
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        for index, (inputs, targets) in enumerate(batches):
-            if index % self.layout.dp != self.layout.dp_rank:
-                continue
+        for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=self.layout.ep > 1):
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             with autocast():
                 logits = self.model(inputs)
-            loss_sum += cross_entropy(logits, targets).item() * targets.numel()
-            tokens += targets.numel()
+            if counted:
+                loss_sum += cross_entropy(logits, targets).item() * targets.numel()
+                tokens += targets.numel()
         self.model.train()
         totals = _all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.layout.tp_group)
         return totals[0].item(), int(totals[1].item())
@@ -137,13 +151,29 @@ class PipelineEngine:
         self.plan = PipelinePlan(model.cfg, layout.pp, parallel_cfg.vp, parallel_cfg.pp_cache)
         self.microbatches = microbatches
         # Pruned while still on meta: this rank never allocates the other stages' weights.
-        self.shards = materialise_and_shard(keep_rank_parts(model, self.plan, layout.pp_rank), info, layout, seed)
+        keep_rank_parts(model, self.plan, layout.pp_rank)
+        shard_chunks = None
+        if layout.fsdp > 1:  # the chunks are sharded on meta, then filled shard by shard
+            from parallel.fsdp import shard_pipeline_chunks
+
+            self.shards = Shards(mesh=layout.mesh)
+            on_meta = any(p.is_meta for p in model.parameters())
+            shard_chunks = functools.partial(shard_pipeline_chunks, rank_model=model,
+                                             template=copy.deepcopy(model) if on_meta else None,
+                                             layout=layout, device=info.device, seed=seed)
+        else:
+            self.shards = materialise_and_shard(model, info, layout, seed)
+            model = model.to(info.device)
         # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
         tp = layout.tp
-        self.runner = PipelineRunner(model.to(info.device), self.plan, layout.pp_rank, layout.pp_group,
+        self.runner = PipelineRunner(model, self.plan, layout.pp_rank, layout.pp_group,
                                      info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len // tp,
-                                     loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp)
+                                     loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp,
+                                     shard_chunks=shard_chunks)
         self.model = self.runner.rank_model
+        # Ranks whose forwards talk across data ranks (FSDP's all-gathers, the experts' all-to-all)
+        # evaluate in lockstep.
+        self.lockstep = layout.fsdp > 1 or layout.ep > 1
 
     def _local(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = torch.cat([i for i, _ in batches])
@@ -153,7 +183,8 @@ class PipelineEngine:
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         with autocast():
             loss = self.runner.step(*self._local(micro_batches))
-        finish_gradients(self.model, self.layout, self.shards, dp_averaged=False)
+        # FSDP's reduce-scatter already averaged over every data rank (replicas and shards).
+        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.layout.fsdp > 1)
         return _all_reduce(_all_reduce(loss, self.layout.tp_group), self.layout.dp_group) / self.layout.dp
 
     @torch.no_grad()
@@ -164,14 +195,13 @@ class PipelineEngine:
                                                                    self.microbatches)]
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        for index, group in enumerate(groups):
-            if index % self.layout.dp != self.layout.dp_rank:
-                continue
+        for group, counted in rank_share(groups, self.layout, self.lockstep):
             with autocast():
                 loss = _all_reduce(self.runner.eval(*self._local(group)), self.layout.tp_group)
-            count = sum(t.numel() for _, t in group)
-            loss_sum += loss.item() * count
-            tokens += count
+            if counted:
+                count = sum(t.numel() for _, t in group)
+                loss_sum += loss.item() * count
+                tokens += count
         self.model.train()
         return loss_sum, tokens
 
@@ -195,7 +225,7 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
     materialised keep their values."""
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
-    if layout.fsdp > 1:
+    if layout.fsdp > 1 and layout.pp == 1:
         from parallel.fsdp import FullyShardedEngine
 
         return FullyShardedEngine(model, info, layout, seed)

@@ -71,12 +71,13 @@ class Shards:
             return state
         from torch.distributed.tensor import DTensor
 
-        def local(value):
-            return value.to_local() if isinstance(value, DTensor) else value
+        def local(name: str, value):
+            # Only the slices: FSDP's own DTensors (fsdp x ep) stay DTensors for set_state_dict.
+            return value.to_local() if name in self.dims and isinstance(value, DTensor) else value
 
-        state["model"] = {name: local(value) for name, value in state["model"].items()}
+        state["model"] = {name: local(name, value) for name, value in state["model"].items()}
         if "optim" in state:
-            state["optim"]["state"] = {name: {key: local(value) for key, value in moments.items()}
+            state["optim"]["state"] = {name: {key: local(name, value) for key, value in moments.items()}
                                        for name, moments in state["optim"]["state"].items()}
         return state
 

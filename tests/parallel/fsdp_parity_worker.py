@@ -2,6 +2,7 @@
 gathers its sharded gradients into whole ones and compares them with its own single-process copy,
 then takes one AdamW step and reports its parameter + optimizer-state bytes; rank 0 prints one JSON
 line per case, a CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line.
+On 4 ranks a PIPELINE line: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatters it counts.
 
     torchrun --nproc-per-node 2 tests/parallel/fsdp_parity_worker.py      # fsdp=2
     torchrun --nproc-per-node 4 tests/parallel/fsdp_parity_worker.py      # dp=2 x fsdp=2 (HSDP)
@@ -12,6 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 
 from model import build_model
@@ -98,6 +101,50 @@ def run_case(case: dict, info: DistInfo) -> dict:
             "moe_load_error": result[3].item(), "init_error": result[4].item(), "units": units, "all_params_sharded": sharded}
 
 
+def pipeline_case(info: DistInfo, on_meta: bool) -> dict:
+    """fsdp=2 x pp=2, interleaved with 2 chunks per rank, built on meta (filled shard by shard) or whole
+    (sharded as it is): initial weights, one step's loss,
+    gradients and norm against one process, and how many reduce-scatters the step ran (FSDP2's
+    foreach_reduce, one per parameter group when the pipeline holds the sync until the last microbatch;
+    one per group and microbatch if it synced every backward)."""
+    cfg = load_config(["model=xs", "variant=block", "variant.block_size=4"])
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2 * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
+    batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
+    reference = build_model(cfg)
+    reference_loss = torch.stack([cross_entropy(reference(x), y) for x, y in batches]).mean()
+    reference_loss.backward()
+    reference_params = dict(reference.named_parameters())
+    reference_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
+
+    layout = build_layout(info, 1, 2, 1, 1, 2)
+    parallel = ParallelConfig(dp=1, fsdp=2, pp=2, vp=2, schedule="interleaved_1f1b")
+    engine = build_engine(build_model(cfg, device="meta" if on_meta else None), info, layout, parallel, MICRO_BATCH,
+                          SEQ, MICROBATCHES, seed=cfg.seed)
+    init_error = max((whole(p.detach()) - reference_params[name].detach()).abs().max().item()
+                     for name, p in engine.model.named_parameters())
+    reduces = []
+    original = _fsdp_param_group.foreach_reduce
+    _fsdp_param_group.foreach_reduce = lambda *args, **kwargs: reduces.append(1) or original(*args, **kwargs)
+    try:
+        mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+        loss = engine.forward_backward(mine, contextlib.nullcontext, None)
+    finally:
+        _fsdp_param_group.foreach_reduce = original
+    grad_norm = engine.clip_grad_norm(0.0)
+    grad_error = max((whole(p.grad) - reference_params[name].grad).abs().max().item()
+                     for name, p in engine.model.named_parameters())
+    groups = sum(len(module._get_fsdp_state()._fsdp_param_groups) for chunk in engine.runner.chunks
+                 for module in chunk.modules() if isinstance(module, FSDPModule))
+    result = torch.tensor([abs(loss.item() - reference_loss.item()), grad_error, abs(grad_norm - reference_norm),
+                           init_error])
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    return {"on_meta": on_meta, "loss_error": result[0].item(), "grad_error": result[1].item(),
+            "grad_norm_error": result[2].item(), "init_error": result[3].item(), "reduce_scatters": len(reduces),
+            "param_groups": groups, "microbatches": MICROBATCHES, "all_params_sharded": sharded}
+
+
 def cut_read_blocks_control(info: DistInfo) -> dict:
     """Negative control: one unit per transformer block although the two-phase read batches the queries
     of an AttnRes block of 4 sublayers (2 transformer blocks)."""
@@ -131,11 +178,14 @@ def main() -> None:
     results = [run_case(case, info) for case in CASES[info.world_size]]
     control = cut_read_blocks_control(info)
     usage = memory(info)
+    pipelines = [pipeline_case(info, on_meta) for on_meta in (True, False)] if info.world_size == 4 else []
     if info.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
         print("CONTROL " + json.dumps(control), flush=True)
         print("MEMORY " + json.dumps(usage), flush=True)
+        for pipeline in pipelines:
+            print("PIPELINE " + json.dumps(pipeline), flush=True)
     dist.destroy_process_group()
     sys.exit(0)
 

@@ -1,7 +1,8 @@
 """FSDP2 (parallel.fsdp): one step equals one process (fsdp=2 for every residual variant, AttnRes blocks
-spanning 2 and 3 transformer blocks, dp=2 x fsdp=2 HSDP), per-rank parameter + optimizer bytes halve,
-the trainer trains like one process and checkpoints move between fsdp2 and one process both ways,
-layouts it does not compose with yet are refused in one line."""
+spanning 2 and 3 transformer blocks, dp=2 x fsdp=2 HSDP, fsdp=2 x pp=2 with one reduce-scatter per
+step), per-rank parameter + optimizer bytes halve, the trainer trains like one process and checkpoints
+move between one process and fsdp2, fsdp2_pp2 or fsdp2_ep2 both ways, layouts it does not compose with
+yet are refused in one line."""
 import json
 import os
 import subprocess
@@ -19,12 +20,12 @@ WORKER = Path(__file__).with_name("fsdp_parity_worker.py")
 
 
 def launch_worker(nproc: int) -> dict[str, list[dict]]:
-    """The worker's JSON lines by kind: CASE, CONTROL, MEMORY."""
+    """The worker's JSON lines by kind: CASE, CONTROL, MEMORY, PIPELINE."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = {"CASE": [], "CONTROL": [], "MEMORY": []}
+    lines = {"CASE": [], "CONTROL": [], "MEMORY": [], "PIPELINE": []}
     for line in result.stdout.splitlines():
         kind, _, value = line.partition(" ")
         if kind in lines:
@@ -53,6 +54,15 @@ def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases):
         assert units[2] == [[0], [1], [2], [3]] and units[3] == [[0, 1, 2], [3]]
     # Units that cut an AttnRes block: the first sublayer's batched read meets the next unit's sharded queries.
     assert "mixed torch.Tensor and DTensor" in control["error"], control
+    if nproc == 4:  # fsdp=2 x pp=2: one process's step, one reduce-scatter per FSDP group and step
+        assert [pipeline["on_meta"] for pipeline in lines["PIPELINE"]] == [True, False]
+        for pipeline in lines["PIPELINE"]:
+            print(f"fsdp=2 x pp=2: {pipeline['reduce_scatters']} reduce-scatters for {pipeline['param_groups']} "
+                  f"parameter groups and {pipeline['microbatches']} microbatches on rank 0")
+            assert pipeline["all_params_sharded"] and pipeline["init_error"] == 0, pipeline
+            for key in ("loss_error", "grad_error", "grad_norm_error"):
+                assert pipeline[key] < 2e-6, pipeline
+            assert pipeline["param_groups"] > 0 and pipeline["reduce_scatters"] == pipeline["param_groups"], pipeline
 
 
 def metrics(run_dir):
@@ -115,6 +125,8 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, 
     (["parallel=fsdp2", "parallel.tp=2"], "parallel.fsdp=2 with parallel.tp=2 is not composed yet"),
     (["parallel=fsdp2", "parallel.pp=2", "parallel.ep=2"],
      "parallel.fsdp=2 with parallel.pp=2 and parallel.ep=2 is not composed yet"),
+    (["parallel=fsdp2", "parallel.tp=2", "parallel.ep=2"],
+     "parallel.fsdp=2 with parallel.tp=2 and parallel.ep=2 is not composed yet"),
     (["parallel=fsdp2", "optim=muon"], "optim=muon with parallel.fsdp=2 is not supported"),
     (["parallel.fsdp=0"], "parallel.fsdp=0 must be positive"),
 ])
@@ -159,3 +171,39 @@ def test_dp2_fsdp2_trains_like_one_process(tmp_path, tiny_dataset):
             assert value == pytest.approx(reference[key][step], rel=1e-5), (key, step)
     # 2 validation batches over 4 data ranks: ranks 2 and 3 run a forward for the shards' sake and count nothing
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout, extra", [
+    ("fsdp2_pp2", {"train.global_batch": 8}),
+    ("fsdp2_ep2", {"train.micro_batch": 1}),
+])
+def test_fsdp_composed_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset, layout,
+                                                                              extra):
+    """4 ranks. fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2
+    chunks per rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts
+    are split in two, every other parameter sharded over 2 ranks. Stopped after 3 steps the run
+    resumes in one process, and a single-process checkpoint resumes under the layout; both have one
+    process's losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
+    extra = {**extra, "train.grad_clip": 1.0}  # norms 1.4-3.3: clipped from step 1
+    straight = tmp_path / "straight"
+    single(straight, tiny_dataset, **extra)
+    reference = metrics(straight)
+
+    mesh_first = tmp_path / "mesh_first"
+    result = torchrun(fast_train_overrides(mesh_first, tiny_dataset, steps=4, parallel=layout, **extra,
+                                           **{"train.stop_after": 3}), nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single(mesh_first, tiny_dataset, **extra)
+
+    single_first = tmp_path / "single_first"
+    single(single_first, tiny_dataset, **extra, **{"train.stop_after": 3})
+    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=layout, **extra), nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    for run in (mesh_first, single_first):
+        found = metrics(run)
+        assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
+        for key in ("loss", "grad_norm"):
+            for step, value in found[key].items():
+                assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
+        assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name

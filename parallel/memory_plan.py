@@ -1,0 +1,448 @@
+"""Memory per rank of a training layout, planned from the model's shapes (scripts/plan_memory.py prints it).
+
+Parameters are counted on a meta-device model (nothing is allocated): each parameter goes to the
+pipeline rank whose chunk holds it (parallel/pipeline/plan.py's split), routed experts are divided by
+ep, the head-split weights of parallel/tensor.py by tp, and whatever a rank then holds by fsdp.
+
+Bytes per parameter (what the code does):
+  DDP / pp / tp / ep (no fsdp): fp32 weights 4, fp32 grads 4, AdamW exp_avg + exp_avg_sq 8; DDP adds its
+    fp32 gradient buckets (4, gradient_as_bucket_view is off); on CUDA the bf16 autocast copies of the
+    weights are kept for backward (2).
+  FSDP2 (parallel/fsdp.py): the fp32 sharded weights, grads and AdamW state (16 / fsdp); transient:
+    the largest unit all-gathered (bf16 on CUDA, fp32 on CPU) twice (prefetch) plus its unsharded fp32
+    gradient before the reduce-scatter. Under ep the routed experts' ep slices stay out of fully_shard
+    (16 per parameter, bf16 autocast copies 2). Under pp (shard_pipeline_chunks) parameters stay
+    gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
+    whole stage gathered plus its unsharded fp32 gradients for the step.
+  Host memory at start-up: under tp or ep (without fsdp) parallel/parallelize.py materialises the rank's
+    whole pipeline stage in fp32 on the host before slicing it (4 bytes per parameter of the stage).
+  The AdamW step (fused=False: foreach on CUDA) needs one fp32 temporary as large as the rank's
+    parameters on CUDA and one parameter's on CPU; it runs after backward, when activations are gone.
+
+Activations: elements saved for backward per token, per sublayer kind (`sublayer_elements`), in the
+activation dtype (`a`: fp32 on CPU, bf16 under CUDA autocast) or forced fp32 (`f`). The counts were
+taken from the code (which op keeps which output for backward) and checked op by op with
+scripts/bench_memory.py's storage tracker at model=m; the CPU column is the reference kernels (KDA's
+torch chunk form, SDPA's math path with its T x T probabilities), the CUDA column fla's chunk_kda and
+flash attention.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from model.config import ModelConfig
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    dp: int = 1
+    fsdp: int = 1
+    pp: int = 1
+    vp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp * self.pp * self.tp
+
+    def name(self) -> str:
+        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
+        return "_".join(parts) or "single"
+
+
+@dataclass
+class ParamCount:
+    """Parameters one rank holds (elements), before fsdp: per kind, and the largest fsdp unit."""
+    total_model: int
+    rank: int
+    routed_experts: int       # of `rank`, already divided by ep
+    tp_split: int             # of `rank`, already divided by tp
+    largest_unit: int         # the biggest fully_shard unit of this rank, unsharded
+    stage: int = 0            # parameters of this rank's pipeline stage before any tp/ep slicing
+    blocks: list[int] = field(default_factory=list)  # transformer blocks this rank runs
+
+
+def _tp_split(name: str) -> bool:
+    """parallel/tensor.py: the head- and channel-split weights of KDA, MLA and the dense SwiGLU."""
+    if ".attn." in name:
+        kda = ("q_proj", "k_proj", "v_proj", "b_proj", "f_proj.1", "g_proj.1", "q_conv1d", "k_conv1d", "v_conv1d",
+               "A_log", "dt_bias", "o_proj")
+        mla = ("q_proj", "kv_b_proj", "o_proj")
+        return any(f".attn.{part}" in name for part in kda + mla) and "kv_a" not in name
+    return ".mlp.gate_proj" in name or ".mlp.up_proj" in name or ".mlp.down_proj" in name
+
+
+def _block_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def stage_blocks(cfg: ModelConfig, pp: int, vp: int) -> list[list[int]]:
+    """Transformer blocks of each pipeline rank (its vp chunks), as parallel/pipeline/plan.py splits them."""
+    if pp * vp == 1:
+        return [list(range(cfg.n_blocks))]
+    from parallel.pipeline.plan import PipelinePlan
+    plan = PipelinePlan(cfg, pp, vp, cache=True)
+    return [[b for c in plan.chunks_of(rank) for b in plan.chunk_blocks[c]] for rank in range(pp)]
+
+
+def parameter_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """name -> elements of every parameter, from the model built on the meta device (allocates nothing)."""
+    from model import build_model
+    return {name: p.numel() for name, p in build_model(cfg, device="meta").named_parameters()}
+
+
+def count_rank_parameters(cfg: ModelConfig, layout: LayoutSpec, sizes: dict[str, int] | None = None) -> list[ParamCount]:
+    """One ParamCount per pipeline rank (a tp/ep/fsdp rank of it holds the same amounts)."""
+    params = sizes or parameter_sizes(cfg)
+    total = sum(params.values())
+    per_rank = stage_blocks(cfg, layout.pp, layout.vp)
+    counts = []
+    for rank, blocks in enumerate(per_rank):
+        first, last = rank == 0, rank == layout.pp - 1
+        held = experts = split = whole = 0
+        units: dict[object, int] = {}
+        for name, numel in params.items():
+            block = _block_of(name)
+            if block is None:
+                keep = (name.startswith("embed.") and first) or (not name.startswith("embed.") and last)
+            else:
+                keep = block in blocks
+            if not keep:
+                continue
+            n = numel
+            whole += n
+            if ".mlp.w_" in name:
+                n //= layout.ep
+                experts += n
+            elif layout.tp > 1 and _tp_split(name):
+                n //= layout.tp
+                split += n
+            held += n
+            if not (".mlp.w_" in name and layout.ep > 1):  # fully_shard ignores the ep slices
+                unit = "root" if block is None else block
+                units[unit] = units.get(unit, 0) + n
+        counts.append(ParamCount(total, held, experts, split, _largest_unit(cfg, units), blocks=blocks, stage=whole))
+    return counts
+
+
+def _largest_unit(cfg: ModelConfig, per_block: dict) -> int:
+    """parallel/fsdp.py's shard_units: consecutive transformer blocks, cut only after a block whose last
+    sublayer ends an AttnRes block when the two-phase read is on (block_size 7 sublayers: 7 transformer
+    blocks per unit), then the root (embedding, final read, norm, head)."""
+    from model.residual import build_mixer
+    mixer = build_mixer(cfg)
+    every = mixer.block_size if getattr(mixer, "two_phase", False) else 1
+    units, unit = [per_block.get("root", 0)], 0
+    for block in sorted(b for b in per_block if b != "root"):
+        unit += per_block[block]
+        if (2 * block + 2) % every == 0:
+            units.append(unit)
+            unit = 0
+    return max(units + [unit])
+
+
+# -- activations -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Elements:
+    """Elements per token: `a` in the activation dtype, `f` forced fp32."""
+    a: float = 0.0
+    f: float = 0.0
+
+    def __add__(self, other: "Elements") -> "Elements":
+        return Elements(self.a + other.a, self.f + other.f)
+
+    def scale(self, factor: float) -> "Elements":
+        return Elements(self.a * factor, self.f * factor)
+
+    def bytes(self, act_bytes: int) -> float:
+        return self.a * act_bytes + self.f * 4
+
+
+def kda_elements(cfg: ModelConfig, mode: str, cuda: bool) -> Elements:
+    """KDA, H heads of K, HK = H*K, chunk C (none = saved for backward; selective = matmul outputs).
+    none: input d; q/k/v padded conv inputs 3HK, conv outputs 3HK, SiLU of q, k 2HK; decay input and
+    softplus 2HK (fp32); gate sigmoid, o_norm products, reshape 4HK; low-rank mids 2K; norms, beta 6H.
+    Chunk form, CPU reference: 16HK + 4HC (grams, the triangular system) + HK^2/C (per-chunk states);
+    CUDA fla chunk_kda: q, k casts and v 3HK, g HK and its two C x C matrices 2HC in fp32.
+    selective: q/k/v/b/f/g projections 5HK + 2K + H, o_proj d; CPU chunk matmuls 3HK + 2HC + HK^2/C."""
+    d, H, K, C = cfg.d_model, cfg.n_heads, cfg.kda.head_dim, cfg.kda.chunk_size
+    HK = H * K
+    if mode == "selective":
+        base = Elements(a=5 * HK + 2 * K + H + d)
+        return base + (Elements() if cuda else Elements(a=3 * HK + 2 * H * C + HK * K / C))
+    base = Elements(a=d + 8 * HK + 4 * HK + 2 * K, f=2 * HK + 6 * H)
+    chunk = Elements(a=3 * HK, f=HK + 2 * H * C) if cuda else Elements(f=16 * HK + 4 * H * C + HK * K / C)
+    return base + chunk
+
+
+def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, seq_len: int) -> Elements:
+    """MLA, H heads, rank r, nope n, rope p, v: none: input d, kv_a r+p, the normalised latent 2r + 1,
+    q and k 2H(n+p), v and the output copy 2Hv; CPU math SDPA keeps its causal probabilities H*T
+    per token, CUDA flash the log-sum-exp H (and its kv_b output H(n+v) instead of the copies).
+    selective: projections H(n+p) + r+p + H(n+v) + o_proj d, attention output Hv (+ H*T scores on CPU)."""
+    m, d, H = cfg.mla, cfg.d_model, cfg.n_heads
+    n, p, r, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+    if mode == "selective":
+        return Elements(a=H * (n + p) + r + p + H * (n + v) + H * v + d + (0 if cuda else H * seq_len),
+                        f=H if cuda else 0)
+    common = Elements(a=d + r + p + 2 * r + 2 * H * v, f=1)
+    if cuda:
+        return common + Elements(a=2 * H * (n + p) + H * (n + v) - H * v, f=H)
+    return common + Elements(a=2 * H * (n + p) + H * seq_len)
+
+
+def swiglu_elements(d: int, inter: int, mode: str) -> Elements:
+    """Dense SwiGLU: none: input d, gate, up, SiLU, product 4I; selective: gate, up 2I, down d."""
+    return Elements(a=2 * inter + d) if mode == "selective" else Elements(a=d + 4 * inter)
+
+
+def moe_elements(cfg: ModelConfig, mode: str, capacity: float) -> Elements:
+    """MoE, E experts, top k, expert width I_e, shared width I_s (dropless; `capacity` scales the routed
+    rows a rank computes under ep: the load above the mean). none: input d, router scores E and routing
+    indices (fp32/int64, ~8k), per assignment the gathered input, the concatenated and weighted outputs
+    3d and the SwiGLU 4I_e, shared 4I_s. selective: router E, per assignment 2I_e + d, shared 2I_s + d."""
+    moe, d = cfg.moe, cfg.d_model
+    k, shared = moe.top_k, moe.n_shared_experts * moe.moe_inter
+    if mode == "selective":
+        return Elements(a=k * capacity * (2 * moe.moe_inter + d) + (2 * shared + d if shared else 0),
+                        f=moe.n_routed_experts)
+    return Elements(a=d + k * capacity * (4 * moe.moe_inter + 3 * d) + 4 * shared,
+                    f=moe.n_routed_experts + 8 * k + 1)
+
+
+def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
+    """(d-vectors per token saved by the depth reads and writes inside `blocks` under `none`,
+    d-vectors per token of the depth state that crosses block boundaries, kept under every mode).
+    Inside: each read's output 1 (the PreNorm's input); a read that merges a partial sum (position > 0
+    in its AttnRes block) 3 more (the two scaled halves and the numerator) and the write's running sum
+    1 unless it is stored as a block or crosses a boundary; a phase-1 read (S, B, T, d) that stays inside
+    one transformer block, S. Boundaries: the completed blocks b_0..b_n (the AttnRes block storage),
+    the open partial sum after each transformer block, and the phase-1 read of every AttnRes block
+    that straddles two transformer blocks (S: alive until its last member has read)."""
+    if cfg.residual.variant not in ("block", "full"):
+        return 2.0 * len(blocks), float(len(blocks))  # baseline: the running sum and the PreNorm input
+    S = cfg.block_size
+    inside = boundary = 0.0
+    for block in blocks:
+        first, last = 2 * block + 1, 2 * block + 2
+        for sublayer in (first, last):
+            position = (sublayer - 1) % S
+            inside += 1
+            if position > 0:
+                inside += 3 + int(position < S - 1 and sublayer != last)
+            if position == 0 and S > 1:  # this sublayer runs the AttnRes block's phase 1
+                block_end = min(sublayer + S - 1, cfg.n_sublayers)
+                if (block_end - 1) // 2 == block:
+                    inside += S
+                else:
+                    boundary += S
+        boundary += int(last % S != 0)
+    completed = 1 + 2 * (max(blocks) + 1) // S if blocks else 1
+    return inside, boundary + completed
+
+
+def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float) -> Elements:
+    """Saved inside one transformer block (norms and reads excluded) under none/selective."""
+    attn = mla_elements(cfg, mode, cuda, seq_len) if cfg.is_mla(block) else kda_elements(cfg, mode, cuda)
+    mlp = moe_elements(cfg, mode, capacity) if cfg.is_moe(block) else swiglu_elements(cfg.d_model, cfg.dense_inter, mode)
+    norms = Elements(f=2) if mode == "none" else Elements()
+    return attn + mlp + norms
+
+
+def activation_elements(cfg: ModelConfig, blocks: list[int], mode: str, *, last: bool, cuda: bool,
+                        seq_len: int, capacity: float = 1.0) -> dict[str, Elements]:
+    """Per token of one microbatch, for the transformer blocks a rank runs: {'blocks', 'depth_state',
+    'head'}. 'blocks': inside the blocks (nothing under full); 'depth_state': the AttnRes block storage
+    and what crosses block boundaries, kept in every mode (b_0, the embedding, is one of the blocks);
+    'head' (last stage): the final read and norm 3d and the loss's fp32 log-softmax V."""
+    d = cfg.d_model
+    inner = Elements()
+    if mode != "full":
+        for block in blocks:
+            inner = inner + block_elements(cfg, block, mode, cuda, seq_len, capacity)
+    inside, boundary = _reads(cfg, blocks)
+    if mode == "none":
+        inner = inner + Elements(a=inside * d)
+    head = Elements(a=3 * d, f=cfg.vocab_size) if last else Elements()
+    return {"blocks": inner, "depth_state": Elements(a=boundary * d), "head": head}
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    layout: LayoutSpec
+    mode: str
+    device: str
+    params: int = 0
+    param_bytes: float = 0
+    grad_bytes: float = 0
+    optimizer_bytes: float = 0
+    ddp_bucket_bytes: float = 0
+    autocast_copy_bytes: float = 0
+    activation_bytes: float = 0        # all microbatches in flight
+    activation_per_microbatch: float = 0
+    depth_state_bytes: float = 0       # AttnRes block storage, all microbatches in flight (within activation_bytes)
+    in_flight: int = 1
+    transient_bytes: float = 0         # fsdp gathered unit(s) + unsharded grads; a recomputed block
+    optimizer_step_bytes: float = 0    # AdamW temporaries (after backward)
+    runtime_bytes: float = 0           # CPU: the Python/torch process itself
+    stage: int = 0                     # the pipeline rank planned (the largest)
+    host_start_bytes: float = 0        # host RAM per rank at start-up (tp/ep: the stage built whole in fp32)
+    activations_by_mode: dict = field(default_factory=dict)
+
+    @property
+    def static_bytes(self) -> float:
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.ddp_bucket_bytes + self.runtime_bytes)
+
+    @property
+    def total_bytes(self) -> float:
+        backward = self.autocast_copy_bytes + self.activation_bytes + self.transient_bytes
+        return self.static_bytes + max(backward, self.optimizer_step_bytes)
+
+
+def in_flight_microbatches(layout: LayoutSpec, microbatches: int) -> float:
+    """Microbatches whose activations pipeline rank 0 holds at once, in units of its whole stage.
+    1F1B: pp. Interleaved 1F1B: (vp - 1) * pp + 2 * (pp - 1) + 1 chunk-microbatches warm up before the
+    first backward, each 1/vp of the stage (torch.distributed.pipelining, as Megatron)."""
+    if layout.pp == 1:
+        return 1
+    if layout.vp == 1:
+        return min(layout.pp, microbatches)
+    chunks = min((layout.vp - 1) * layout.pp + 2 * (layout.pp - 1) + 1, microbatches * layout.vp)
+    return chunks / layout.vp
+
+
+def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int, microbatches: int, mode: str,
+         device: str = "cuda", capacity: float = 1.25, runtime_bytes: float = 0,
+         counts: list[ParamCount] | None = None, stage: int | None = None) -> Plan:
+    """The memory of pipeline rank `stage`, or of the largest one (most parameters + activations)."""
+    cuda = device == "cuda"
+    act = 2 if cuda else 4
+    counts = counts or count_rank_parameters(cfg, layout)
+    tokens = micro_batch * seq_len / layout.tp  # sequence parallelism: every rank holds T/tp tokens
+    ep_capacity = capacity if layout.ep > 1 else 1.0
+    best = None
+    for rank, count in enumerate(counts):
+        if stage is not None and rank != stage:
+            continue
+        per_mode = {}
+        for m in MODES:
+            parts = activation_elements(cfg, count.blocks, m, last=rank == layout.pp - 1,
+                                        cuda=cuda, seq_len=seq_len, capacity=ep_capacity)
+            per_mode[m] = {k: v.bytes(act) * tokens for k, v in parts.items()}
+        flight = in_flight_microbatches(layout, microbatches) if rank == 0 else \
+            max(1.0, in_flight_microbatches(layout, microbatches) - rank / layout.vp)
+        p = Plan(layout, mode, device, params=count.rank, in_flight=flight, stage=rank, runtime_bytes=runtime_bytes)
+        shard = layout.fsdp
+        plain = count.routed_experts if layout.ep > 1 and shard > 1 else 0  # ep slices fully_shard leaves out
+        sharded = count.rank - plain
+        state = sharded / shard + plain
+        p.param_bytes, p.grad_bytes, p.optimizer_bytes = 4 * state, 4 * state, 8 * state
+        if shard > 1:
+            gathered = 2 if cuda else 4
+            if layout.pp > 1:  # reshard_after_forward=False and one reduce-scatter per step: all of it, all step
+                p.transient_bytes = (gathered + 4) * sharded
+            else:
+                p.transient_bytes = (2 * gathered + 4) * count.largest_unit
+            p.autocast_copy_bytes = 2 * plain if cuda else 0
+        else:
+            if layout.dp > 1:
+                # DDP ignores expert slices under ep (they average over their own ranks)
+                p.ddp_bucket_bytes = 4 * (count.rank - (count.routed_experts if layout.ep > 1 else 0))
+            if cuda:
+                p.autocast_copy_bytes = 2 * count.rank
+        p.optimizer_step_bytes = 4 * state if cuda else 0
+        if (layout.tp > 1 or layout.ep > 1) and shard == 1:  # parallelize.materialise_and_shard
+            p.host_start_bytes = 4 * count.stage
+        p.activations_by_mode = {m: sum(v.values()) * flight for m, v in per_mode.items()}
+        p.activation_per_microbatch = sum(per_mode[mode].values())
+        p.activation_bytes = p.activation_per_microbatch * flight
+        if mode != "none":  # backward recomputes one block at a time: its `none` activations live briefly
+            p.transient_bytes += max(block_elements(cfg, b, "none", cuda, seq_len, ep_capacity).bytes(act)
+                                     for b in count.blocks) * tokens
+        p.depth_state_bytes = per_mode[mode]["depth_state"] * flight
+        if best is None or p.total_bytes > best.total_bytes:
+            best = p
+    return best
+
+
+# -- what the trainer runs today, and the search ------------------------------------------------------
+
+def refusal(cfg, layout: LayoutSpec) -> str | None:
+    """trainer.config.validate's verdict on this layout (None: the trainer runs it today)."""
+    from trainer.config import ConfigError, validate
+    import copy
+    trial = copy.deepcopy(cfg)
+    trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
+    trial.parallel.vp, trial.parallel.tp, trial.parallel.ep = layout.vp, layout.tp, layout.ep
+    if layout.vp > 1 and trial.parallel.schedule not in ("interleaved_1f1b", "zero_bubble"):
+        trial.parallel.schedule = "interleaved_1f1b"
+    if layout.vp == 1 and layout.pp > 1 and trial.parallel.schedule == "interleaved_1f1b":
+        trial.parallel.schedule = "1f1b"
+    try:
+        validate(trial)
+    except ConfigError as error:
+        return str(error)
+    if layout.dp % layout.ep:
+        return f"parallel.ep={layout.ep} must divide dp={layout.dp}"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[LayoutSpec]:
+    """Every (dp, fsdp, pp, vp, tp, ep) with dp*fsdp*pp*tp = gpus that the model's shape allows:
+    tp divides heads, dense width and seq_len (at most `max_tp`: one node); pp*vp <= blocks; ep divides
+    dp and the experts; vp in {1, 2}."""
+    out = []
+    for tp, pp in itertools.product(_divisors(gpus), _divisors(gpus)):
+        if tp > max_tp or gpus % (tp * pp) or any(v % tp for v in (cfg.n_heads, cfg.dense_inter, seq_len)):
+            continue
+        rest = gpus // (tp * pp)
+        for fsdp in _divisors(rest):
+            dp = rest // fsdp
+            for ep in _divisors(dp):
+                if cfg.moe.n_routed_experts % ep:
+                    continue
+                for vp in (1, 2) if pp > 1 else (1,):
+                    if pp * vp <= cfg.n_blocks:
+                        out.append(LayoutSpec(dp, fsdp, pp, vp, tp, ep))
+    return out
+
+
+def search(cfg_full, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: int, micro_batch: int,
+           global_batch: int, device: str = "cuda", capacity: float = 1.25) -> list[tuple[Plan, str | None]]:
+    """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
+    stages (bubble and message traffic), then least recomputation (none < selective < full), then least
+    tensor parallelism, then the most memory left. Each with the trainer's refusal (None: runs today)."""
+    cfg = cfg_full.model
+    budget = gpu_bytes * (1 - headroom)
+    fitting = []
+    cache: dict[tuple, list[ParamCount]] = {}
+    sizes = parameter_sizes(cfg)
+    for layout in candidate_layouts(cfg, gpus, seq_len):
+        data_ranks = layout.dp * layout.fsdp
+        if global_batch % (micro_batch * data_ranks):
+            continue
+        microbatches = global_batch // (micro_batch * data_ranks)
+        key = (layout.pp, layout.vp, layout.tp, layout.ep)
+        if key not in cache:
+            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes)
+        for mode in MODES:
+            p = plan(cfg, layout, seq_len=seq_len, micro_batch=micro_batch, microbatches=microbatches, mode=mode,
+                     device=device, capacity=capacity, counts=cache[key])
+            if p.total_bytes <= budget:
+                fitting.append(p)
+    order = {"none": 0, "selective": 1, "full": 2}
+    fitting.sort(key=lambda p: (p.layout.pp * p.layout.vp, order[p.mode], p.layout.tp, p.total_bytes))
+    return [(p, refusal(cfg_full, p.layout)) for p in fitting]
