@@ -44,8 +44,13 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
+    """Leave together: a rank tearing down gloo while a peer still has traffic in flight has aborted at
+    exit ("terminate called without an active exception") under load."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 @dataclass
