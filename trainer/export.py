@@ -209,19 +209,29 @@ def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_cli(argv: list[str] | None, usage: str, work, errors: tuple[type[Exception], ...]) -> None:
+    """The shape of our key=value CLIs: --help/-h prints `usage` and exits 0; otherwise print what
+    work(argv) returns, and any of `errors` becomes one `error: ...` line and exit code 2."""
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in HELP_FLAGS for arg in argv):
-        print(__doc__.strip())
+        print(usage.strip())
         return
     try:
-        args = parse_key_values(argv, ExportArgs, ExportError)
-        if not args.checkpoint or not args.out:
-            raise ExportError("checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export")
-        print(export(args.checkpoint, args.out, args.overwrite))
-    except (ExportError, CheckpointError) as error:
+        print(work(argv))
+    except errors as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def _export_cli(argv: list[str]) -> str:
+    args = parse_key_values(argv, ExportArgs, ExportError)
+    if not args.checkpoint or not args.out:
+        raise ExportError("checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export")
+    return export(args.checkpoint, args.out, args.overwrite)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(argv, __doc__, _export_cli, (ExportError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +32,8 @@ from model import build_model
 from model.generation import generate
 from trainer.checkpoint import CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR
 from trainer.config import Config
-from trainer.export import (CONFIG_FILE, HELP_FLAGS, MODEL_FILE, TOKENIZER_FILE, ExportError,
-                            load_exported_weights, parse_key_values, read_export_config)
+from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, load_exported_weights,
+                            parse_key_values, read_export_config, run_cli)
 
 
 @dataclass
@@ -170,15 +169,7 @@ def parse(argv: list[str]) -> GenerateArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg in HELP_FLAGS for arg in argv):
-        print(__doc__.strip())
-        return
-    try:
-        print(run(parse(argv)))
-    except (GenerateError, ExportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(argv, __doc__, lambda args: run(parse(args)), (GenerateError, ExportError))
 
 
 if __name__ == "__main__":

@@ -208,9 +208,7 @@ def check_run_dir(run_dir: Path, n_params: int) -> None:
     """trainer.check's pre-flight, which changes nothing on disk: run_dir (or the parent it would be
     created in) is a writable directory, no live run holds it, and its filesystem has room for a checkpoint."""
     run_dir = Path(run_dir)
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(run_dir)
     if not existing.is_dir():
         raise RunDirError(f"run.dir={run_dir} cannot be created: {existing} is a file; pick another run.dir")
     if not os.access(existing, os.W_OK | os.X_OK):  # also false for root on a read-only mount
@@ -233,10 +231,14 @@ def checkpoint_bytes(n_params: int) -> int:
 
 def free_bytes(path: Path) -> int:
     """Free space (for unprivileged users) on the filesystem holding path or its nearest existing parent."""
-    existing = Path(path)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
+    return shutil.disk_usage(_nearest_existing(Path(path))).free
+
+
+def _nearest_existing(path: Path) -> Path:
+    """path itself, or the closest parent of it that exists (where it would be created)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _errors_in(error: BaseException):

@@ -78,6 +78,16 @@ def single(run_dir, dataset, **extra):
     Trainer(load_config(fast_train_overrides(run_dir, dataset, steps=4, **extra)), init_distributed()).fit()
 
 
+def assert_like_reference(run, reference) -> None:
+    """4 steps with one process's losses and gradient norms, and its validation loss at step 3 (rel 1e-5)."""
+    found = metrics(run)
+    assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
+    for key in ("loss", "grad_norm"):
+        for step, value in found[key].items():
+            assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
+    assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name
+
+
 def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
     """Stopped after 3 fsdp2 steps, the run resumes in one process; a single-process checkpoint resumes
     under fsdp2; both have one process's losses and gradient norms (rel 1e-5), validation loss and
@@ -100,12 +110,7 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, 
     assert result.returncode == 0, result.stderr[-3000:]
 
     for run in (fsdp_first, single_first):
-        found = metrics(run)
-        assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
-        for key in ("loss", "grad_norm"):
-            for step, value in found[key].items():
-                assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
-        assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name
+        assert_like_reference(run, reference)
     # Diagnostics of step 3, written under fsdp2 in fsdp_first: whole-block gradient RMS from the shards,
     # output RMS from rank 0's first micro-batch (one process's first).
     (written,), (expected,) = diagnostics(fsdp_first), diagnostics(straight)
@@ -201,9 +206,4 @@ def test_fsdp_composed_trains_like_one_process_and_checkpoints_move_both_ways(tm
     assert result.returncode == 0, result.stderr[-3000:]
 
     for run in (mesh_first, single_first):
-        found = metrics(run)
-        assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
-        for key in ("loss", "grad_norm"):
-            for step, value in found[key].items():
-                assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
-        assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name
+        assert_like_reference(run, reference)
