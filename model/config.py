@@ -32,19 +32,24 @@ class MoEConfig:
     aux_loss_coef: float = 0.0      # optional sequence-level balance loss
 
 
+VARIANTS = ("baseline", "highway", "full", "block", "mhc", "hc")
+STREAM_VARIANTS = ("mhc", "hc")  # m parallel residual streams: (B, T, d) stage boundaries cannot carry them
+
+
 @dataclass
 class ResidualConfig:
     """One residual mixer; the paper's ablations are options of it, never new classes."""
-    variant: str = "block"          # baseline | full | block | mhc
+    variant: str = "block"          # one of VARIANTS
     block_size: int | None = None   # sublayers per block (attention and MLP count 1 each); None: ~8 blocks
     query: str = "learned"          # learned | input_dependent
     kernel: str = "softmax"         # softmax | sigmoid
     key_norm: bool = True
-    mixing: str = "attention"       # attention | static (input-independent learned scalars)
+    mixing: str = "attention"       # attention | static (softmax of learned scalars) | scalars (raw, DenseFormer)
     heads: int = 1                  # multi-head depth attention
     window: int | None = None       # attend over the last `window` sources plus the embedding
     two_phase: bool = True          # Block: batched inter-block phase + online-softmax merge
-    streams: int = 4                # mhc: parallel residual streams
+    streams: int = 4                # mhc, hc: parallel residual streams
+    gate: str = "scalar"            # highway: scalar | elementwise (one gate per channel)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from model.init import InitStds
 from model.layer import TransformerBlock
 from model.moe import MoE
 from model.norms import RMSNorm
-from model.residual import DepthState, build_mixer
+from model.residual import DepthState, DepthTrace, build_mixer
 
 
 class TokenEmbedding(nn.Embedding):
@@ -46,12 +46,19 @@ class Decoder(nn.Module):
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None,
-                cache: dict[int, object] | None = None) -> torch.Tensor:
+                cache: dict[int, object] | None = None, trace: DepthTrace | None = None,
+                skip: frozenset[int] = frozenset()) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). Pass a dict as `diagnostics` to have it filled with
         per-sublayer output RMS and mean depth-attention weights; pass `cache` (new_inference_cache)
-        to continue a sequence token by token or chunk by chunk."""
-        state = self.mixer.start(self.embed(tokens))
-        state.diagnostics = diagnostics
+        to continue a sequence token by token or chunk by chunk; pass a DepthTrace to have it filled
+        with the depth-mixing matrix M per token; `skip`: sublayers (1..L) that do not run (ReSkip)."""
+        if skip and trace is not None:
+            raise ValueError("a depth trace of a model with skipped sublayers is not defined")
+        embedding = self.embed(tokens)
+        state = self.mixer.start(embedding)
+        state.diagnostics, state.skipped = diagnostics, set(skip)
+        if trace is not None:
+            self.mixer.start_trace(state, trace, embedding)
         state = self.forward_layers(state, cache)
         return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
 

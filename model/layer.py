@@ -39,8 +39,10 @@ class TransformerBlock(nn.Module):
         if state.next_sublayer != self.attn_sublayer:
             raise RuntimeError(f"block {self.index} expects sublayer {self.attn_sublayer}, "
                                f"the depth state is at {state.next_sublayer}")
-        h = mixer.read(state, self.attn_res)
-        mixer.write(state, self.attn(self.attn_norm(h), cache))
-        h = mixer.read(state, self.mlp_res)
-        mixer.write(state, self.mlp(self.mlp_norm(h)))
+        for res, norm, run in ((self.attn_res, self.attn_norm, lambda x: self.attn(x, cache)),
+                               (self.mlp_res, self.mlp_norm, self.mlp)):
+            if state.next_sublayer in state.skipped:
+                mixer.skip(state)
+            else:
+                mixer.write(state, run(norm(mixer.read(state, res))))
         return state

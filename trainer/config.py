@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kernels.select import IMPLS, triton_refusal
-from model.config import ModelConfig
+from model.config import STREAM_VARIANTS, VARIANTS, ModelConfig
 from model.init import INIT_SCHEMES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -50,6 +50,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
     activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/checkpointing.py)
+    compile: bool = False             # torch.compile each transformer block (parallel/compile.py)
+    peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)
 
 
 @dataclass
@@ -96,9 +98,10 @@ class ParallelConfig:
 
 @dataclass
 class DebugConfig:
-    """Fault injection for reliability tests."""
+    """Fault injection for reliability tests, and profiling."""
     crash_at_step: int | None = None                              # the process dies once at this step
     nan_loss_steps: list[int] = field(default_factory=list)      # these steps get a NaN loss
+    profile_steps: list[int] | None = None                        # [a, b]: a torch.profiler trace of steps a..b
 
 
 @dataclass
@@ -116,10 +119,11 @@ class Config:
 
 
 CHOICES = {
-    "variant.variant": ("baseline", "full", "block", "mhc"),
+    "variant.variant": VARIANTS,
+    "variant.gate": ("scalar", "elementwise"),
     "variant.query": ("learned", "input_dependent"),
     "variant.kernel": ("softmax", "sigmoid"),
-    "variant.mixing": ("attention", "static"),
+    "variant.mixing": ("attention", "static", "scalars"),
     "model.kernel_impl": IMPLS,
     "model.init": INIT_SCHEMES,
     "optim.name": ("adamw", "muon"),
@@ -216,8 +220,9 @@ def validate(cfg: Config) -> Config:
         if cfg.optim.name == "muon":
             raise ConfigError("optim=muon with parallel.tp > 1 is not supported: Muon orthogonalises whole matrices "
                               "and tp ranks hold slices; use optim=adamw")
-        if r.variant == "mhc":
-            raise ConfigError("variant=mhc is not supported with parallel.tp > 1; use baseline, full or block")
+        if r.variant in STREAM_VARIANTS:
+            raise ConfigError(f"variant={r.variant} is not supported with parallel.tp > 1; use baseline, highway, "
+                              "full or block")
         if m.moe.aux_loss_coef:
             raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
                               "whole sequences and is not supported with parallel.tp > 1; set it to 0")
@@ -238,9 +243,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
     if p.pp > 1:
-        if r.variant == "mhc":
-            raise ConfigError("variant=mhc is not supported under pipeline parallelism (parallel.pp > 1); "
-                              "use parallel=single or dp2")
+        if r.variant in STREAM_VARIANTS:
+            raise ConfigError(f"variant={r.variant} is not supported under pipeline parallelism (parallel.pp > 1): "
+                              "its m streams are not a stage boundary tensor; use parallel=single or dp2")
         if p.pp * p.vp > m.n_blocks:
             raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
                               f"{m.n_blocks} transformer blocks")

@@ -29,9 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model import build_model
-from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
-from trainer.config import Config
+from trainer.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from trainer.trained import load_trained
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -127,19 +126,6 @@ def _put_in_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_trained_model(checkpoint: Path, meta: dict):
-    if "config" not in meta:
-        raise ExportError(f"checkpoint {checkpoint} has no config in its meta.json; cannot tell which model to build")
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-    except OmegaConfBaseException as error:
-        raise ExportError(f"checkpoint {checkpoint} has a config this trainer cannot read "
-                          f"({str(error).splitlines()[0]})") from None
-    model = build_model(cfg)
-    load_checkpoint(checkpoint, model, [], None, rank=0)
-    return model
-
-
 def _write(tmp: Path, out: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
     try:
         _write_files(tmp, model, checkpoint, meta, tokenizer)
@@ -167,7 +153,7 @@ def export(checkpoint: str, out: str, overwrite: bool = False) -> str:
     tokenizer = run_dir_of(path) / TOKENIZER_FILE
     tmp = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
     try:
-        model = _load_trained_model(path, meta)
+        model = load_trained(path).model
         _write(tmp, out_dir, model, path, meta, tokenizer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename

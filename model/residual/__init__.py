@@ -1,25 +1,25 @@
 """Residual mixers, registered by variant name."""
 from __future__ import annotations
 
-from model.config import ModelConfig
+from model.config import VARIANTS, ModelConfig
 from model.residual.attnres import AttnResidual
 from model.residual.base import DepthState, ResidualMixer
-from model.residual.baseline import BaselineResidual
+from model.residual.baseline import RunningSumResidual
 from model.residual.mhc import HyperConnectionResidual
-
-VARIANTS = ("baseline", "full", "block", "mhc")
+from model.residual.trace import DepthTrace
 
 
 def build_mixer(cfg: ModelConfig) -> ResidualMixer:
-    variant = cfg.residual.variant
-    if variant == "baseline":
-        return BaselineResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps)
-    if variant in ("full", "block"):
-        return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, cfg.residual, cfg.block_size,
-                            cfg.kernel_impl)
-    if variant == "mhc":
-        return HyperConnectionResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, cfg.residual.streams)
-    raise ValueError(f"residual.variant={variant!r} is not one of {', '.join(VARIANTS)}")
+    r = cfg.residual
+    if r.variant in ("baseline", "highway"):
+        return RunningSumResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps,
+                                  gate=r.gate if r.variant == "highway" else None)
+    if r.variant in ("full", "block"):
+        return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r, cfg.block_size, cfg.kernel_impl)
+    if r.variant in ("mhc", "hc"):
+        return HyperConnectionResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r.streams,
+                                       constrained=r.variant == "mhc")
+    raise ValueError(f"residual.variant={r.variant!r} is not one of {', '.join(VARIANTS)}")
 
 
-__all__ = ["VARIANTS", "DepthState", "ResidualMixer", "build_mixer"]
+__all__ = ["VARIANTS", "DepthState", "DepthTrace", "ResidualMixer", "build_mixer"]

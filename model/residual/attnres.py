@@ -76,7 +76,7 @@ class AttnResidual(ResidualMixer):
             keep = [0] + keep[max(1, len(sources) - self.options.window):]
         values = [sources[i] for i in keep]
         if read.is_static:
-            weights = source_weights(read.logits, self.options.kernel)[:, None, None, None]  # (N, 1, 1, 1)
+            weights = read.static_weights(self.options.kernel)[:, None, None, None]  # (N, 1, 1, 1)
             h = weighted_sum(weights, values)
         else:
             inv_rms = None
@@ -84,7 +84,7 @@ class AttnResidual(ResidualMixer):
                 per_source = self._block_inv_rms(state) + ([self._key_inv_rms(state.partial)] if with_partial else [])
                 inv_rms = [per_source[i] for i in keep]
             h, weights = depth_attention(values, read.query_for(sources[-1]), inv_rms, self.options.kernel)
-        self._record_weights(state, sublayer, weights, keep)
+        self._record_weights(state, sublayer, weights, keep, h)
         return h
 
     def _two_phase_read(self, state: DepthState, read: DepthRead, sublayer: int, with_partial: bool) -> torch.Tensor:
@@ -95,12 +95,13 @@ class AttnResidual(ResidualMixer):
         kernel = self.options.kernel
         if not with_partial:
             h = o1 if kernel != "softmax" else (o1.unflatten(-1, (self.heads, -1)) / l1.unsqueeze(-1)).flatten(-2)
-            self._record_weights(state, sublayer, source_weights(scores1, kernel), None)
-            return h.to(state.blocks[0].dtype)
+            h = h.to(state.blocks[0].dtype)
+            self._record_weights(state, sublayer, source_weights(scores1, kernel), None, h)
+            return h
         h, scores2 = phase2(o1, m1, l1, state.partial, read.learned_query(), self._key_norm_eps(read), kernel,
                             impl=self.impl)
-        if state.diagnostics is not None:
-            self._record_weights(state, sublayer, source_weights(torch.cat([scores1, scores2]), kernel), None)
+        if state.diagnostics is not None or state.trace is not None:
+            self._record_weights(state, sublayer, source_weights(torch.cat([scores1, scores2]), kernel), None, h)
         return h
 
     def _run_phase1(self, state: DepthState, sublayer: int) -> None:
@@ -122,15 +123,41 @@ class AttnResidual(ResidualMixer):
         self.record_output(state, output)
         position = self.position(state.next_sublayer)
         state.partial = output if position == 0 or state.partial is None else state.partial + output
-        if position == self.block_size - 1:
+        if state.trace is not None:
+            state.trace.carry["partial"].append(state.next_sublayer)
+        self._close_block(state)
+
+    def skip(self, state: DepthState) -> None:
+        """A skipped sublayer adds nothing to its block; a block whose sublayers were all skipped is absent."""
+        self._close_block(state)
+
+    def _close_block(self, state: DepthState) -> None:
+        if self.position(state.next_sublayer) == self.block_size - 1 and state.partial is not None:
             state.blocks.append(state.partial)
             state.partial = None
+            if state.trace is not None:
+                state.trace.carry["blocks"].append(state.trace.carry["partial"])
+                state.trace.carry["partial"] = []
         state.next_sublayer += 1
 
-    def _record_weights(self, state: DepthState, sublayer: int, weights: torch.Tensor, keep) -> None:
-        """Mean depth-attention weight per source (over batch, tokens and heads), by block index."""
-        if state.diagnostics is None:
-            return
-        mean = weights.detach().double().reshape(weights.shape[0], -1).mean(-1).tolist()
-        indices = keep if keep is not None else list(range(len(mean)))
-        state.diagnostics.setdefault("depth_weights", {})[sublayer] = dict(zip(indices, mean))
+    # -- what the reads saw ----------------------------------------------------------------------
+
+    def initial_carry(self, embedding: torch.Tensor) -> dict[str, list]:
+        """The sublayers each source sums (a block's outputs all enter with weight 1): b_0 is v_0."""
+        return {"blocks": [[0]], "partial": []}
+
+    def _record_weights(self, state: DepthState, sublayer: int, weights: torch.Tensor, keep, h: torch.Tensor) -> None:
+        """weights (N, B, T, H) or (N, 1, 1, 1) over the sources read (all, or those in `keep`): the mean per
+        source into the diagnostics (by source index), the row of M per token into the trace."""
+        indices = keep if keep is not None else list(range(weights.shape[0]))
+        if state.diagnostics is not None:
+            mean = weights.detach().double().reshape(weights.shape[0], -1).mean(-1).tolist()
+            state.diagnostics.setdefault("depth_weights", {})[sublayer] = dict(zip(indices, mean))
+        if state.trace is not None:
+            carry = state.trace.carry
+            members = carry["blocks"] + ([carry["partial"]] if carry["partial"] else [])
+            weights = weights.detach().to(h.dtype).expand(-1, *h.shape[:2], -1)   # (N, B, T, G)
+            row = h.new_zeros(*weights.shape[1:], sublayer)                       # (B, T, G, l)
+            for weight, source in zip(weights, indices):
+                row[..., members[source]] += weight.unsqueeze(-1)
+            state.trace.add_row(sublayer, row, h)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from model.residual.trace import DepthTrace
+
 
 @dataclass
 class DepthState:
@@ -31,7 +33,9 @@ class DepthState:
     block_inv_rms: list[torch.Tensor] = field(default_factory=list)  # per block, (B, T, H)
     phase1: dict[int, tuple] = field(default_factory=dict)           # sublayer -> batched inter-block read
     diagnostics: dict | None = None                                  # filled when requested
-    pending_write: tuple | None = None                               # mHC: the read's (beta, A) for the write
+    pending_write: tuple | None = None      # mHC: the read's (beta, A); Highway: its gate, for the write
+    trace: DepthTrace | None = None                                  # the depth-mixing matrix, when requested
+    skipped: set[int] = field(default_factory=set)                   # sublayers that do not run (ReSkip)
 
 
 class ResidualMixer:
@@ -58,7 +62,23 @@ class ResidualMixer:
     def final(self, state: DepthState, read: nn.Module | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def skip(self, state: DepthState) -> None:
+        """The next sublayer does not run (ReSkip): no read, no output; what it would have added is absent."""
+        state.next_sublayer += 1
+
+    def start_trace(self, state: DepthState, trace: DepthTrace, embedding: torch.Tensor) -> None:
+        """Attach `trace` to a state just started from `embedding` (v_0)."""
+        state.trace = trace
+        trace.add_output(embedding)
+        trace.carry = self.initial_carry(embedding)
+
+    def initial_carry(self, embedding: torch.Tensor):
+        """What the state holds in the trace's coefficients before the first sublayer."""
+        raise NotImplementedError
+
     def record_output(self, state: DepthState, output: torch.Tensor) -> None:
+        if state.trace is not None:
+            state.trace.add_output(output)
         if state.diagnostics is not None:
             rms = output.detach().double().pow(2).mean().sqrt().item()
             state.diagnostics.setdefault("output_rms", {})[state.next_sublayer] = rms

@@ -1,4 +1,4 @@
-"""mHC: manifold-constrained Hyper-Connections, the paper's strongest prior baseline (Table 4).
+"""mHC (manifold-constrained Hyper-Connections, the paper's strongest prior baseline, Table 4) and HC.
 
 m parallel residual streams H (m, B, T, d). Before sublayer l, from x = rmsnorm(mean_j H_j):
     alpha = alpha_0 + g_a tanh(P_a x)          (m,)    width connection: the sublayer reads h = sum_j alpha_j H_j
@@ -18,6 +18,11 @@ sums off by ~1e-4). The final hidden state is the mean of the streams. As in HC,
 unconstrained apart from the tanh bound on their input-dependent parts (mHC's sigmoids cannot express
 the one-hot init); only A carries the manifold constraint, which keeps the stream mean a plain
 residual recurrence.
+
+HC (variant=hc, `constrained=False`) is the same without the projection: A = A_0 + g_A tanh(P_A x) is
+used as it is, with A_0 = I (HC's init), so nothing bounds the streams' growth but training.
+M[i->l] = alpha_l^T A_{l-1} ... A_{i+1} beta_i (beta_0 = 1: the embedding is in every stream) has
+semiseparable rank at most m for both.
 """
 from __future__ import annotations
 
@@ -53,12 +58,12 @@ def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> tor
 class StreamConnections(nn.Module):
     """One sublayer's width / depth connections and stream-mixing logits (static part + projection)."""
 
-    def __init__(self, d_model: int, streams: int, sublayer: int, eps: float):
+    def __init__(self, d_model: int, streams: int, sublayer: int, eps: float, constrained: bool = True):
         super().__init__()
-        self.streams, self.eps, self.sublayer = streams, eps, sublayer
+        self.streams, self.eps, self.sublayer, self.constrained = streams, eps, sublayer, constrained
         self.read_bias = nn.Parameter(torch.empty(streams))
         self.write_bias = nn.Parameter(torch.empty(streams))
-        # Flat (m*m,): the optimizer treats 1-D parameters as biases (no weight decay pulling A_0 towards
+        # mHC: A_0's logits; HC: A_0 itself. Flat (m*m,): the optimizer treats 1-D parameters as biases (no weight decay pulling A_0 towards
         # uniform mixing, no Muon orthogonalisation of a 4x4 logit table).
         self.mix_bias = nn.Parameter(torch.empty(streams * streams))
         self.proj = nn.Linear(d_model, 2 * streams + streams * streams, bias=False)
@@ -73,7 +78,7 @@ class StreamConnections(nn.Module):
         with torch.no_grad():
             self.read_bias.copy_(F.one_hot(torch.tensor((self.sublayer - 1) % m), m))
             self.write_bias.fill_(1.0)
-            self.mix_bias.copy_(MIX_INIT_LOGIT * torch.eye(m).flatten())
+            self.mix_bias.copy_((MIX_INIT_LOGIT if self.constrained else 1.0) * torch.eye(m).flatten())
             self.gates.fill_(DYNAMIC_GATE_INIT)
         nn.init.zeros_(self.proj.weight)
 
@@ -86,32 +91,39 @@ class StreamConnections(nn.Module):
         m = self.streams
         alpha = self.read_bias + self.gates[0] * dynamic[..., :m]
         beta = self.write_bias + self.gates[1] * dynamic[..., m:2 * m]
-        mix = sinkhorn((self.mix_bias + self.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
-        return alpha, beta, mix
+        mix = (self.mix_bias + self.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m))
+        return alpha, beta, sinkhorn(mix) if self.constrained else mix
 
 
 class HyperConnectionResidual(ResidualMixer):
     """`DepthState.partial` holds the streams (m, B, T, d); `blocks` stays empty. The read computes the
     sublayer's connections and leaves (beta, A) in `state.pending_write` for the write that follows."""
 
-    def __init__(self, d_model: int, n_sublayers: int, eps: float, streams: int):
+    def __init__(self, d_model: int, n_sublayers: int, eps: float, streams: int, constrained: bool = True):
         super().__init__(d_model, n_sublayers, eps)
-        self.streams = streams
+        self.streams, self.constrained = streams, constrained
 
     def make_read(self, sublayer: int) -> StreamConnections | None:
         # The final read is the parameter-free stream mean.
         if sublayer > self.n_sublayers:
             return None
-        return StreamConnections(self.d_model, self.streams, sublayer, self.eps)
+        return StreamConnections(self.d_model, self.streams, sublayer, self.eps, self.constrained)
 
     def start(self, embedding: torch.Tensor) -> DepthState:
         return DepthState(blocks=[], partial=embedding.unsqueeze(0).expand(self.streams, *embedding.shape))
+
+    def initial_carry(self, embedding: torch.Tensor) -> torch.Tensor:
+        return embedding.new_ones(self.streams, *embedding.shape[:2], 1)  # (m, B, T, 1): v_0 in every stream
 
     def read(self, state: DepthState, read: StreamConnections) -> torch.Tensor:
         alpha, beta, mix = read(state.partial)
         dtype = state.partial.dtype
         state.pending_write = (beta.to(dtype), mix.to(dtype))
-        return torch.einsum("btj,jbtd->btd", alpha.to(dtype), state.partial)
+        h = torch.einsum("btj,jbtd->btd", alpha.to(dtype), state.partial)
+        if state.trace is not None:
+            row = torch.einsum("btj,jbtl->btl", alpha.to(dtype), state.trace.carry)
+            state.trace.add_row(state.next_sublayer, row.unsqueeze(2), h)
+        return h
 
     def write(self, state: DepthState, output: torch.Tensor) -> None:
         self.record_output(state, output)
@@ -119,7 +131,13 @@ class HyperConnectionResidual(ResidualMixer):
         state.pending_write = None
         mixed = torch.einsum("btkj,jbtd->kbtd", mix, state.partial)
         state.partial = mixed + beta.permute(2, 0, 1).unsqueeze(-1) * output
+        if state.trace is not None:
+            carry = torch.einsum("btkj,jbtl->kbtl", mix, state.trace.carry)   # (m, B, T, l)
+            state.trace.carry = torch.cat([carry, beta.permute(2, 0, 1).unsqueeze(-1)], -1)
         state.next_sublayer += 1
 
     def final(self, state: DepthState, read) -> torch.Tensor:
-        return state.partial.mean(0)
+        h = state.partial.mean(0)
+        if state.trace is not None:
+            state.trace.add_row(self.n_sublayers + 1, state.trace.carry.mean(0).unsqueeze(2), h)
+        return h

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attnres import source_weights
 from model.config import ResidualConfig
 from model.norms import RMSNorm
 
@@ -12,7 +13,9 @@ class DepthRead(nn.Module):
     """Pseudo-query and key norm of one sublayer's depth attention (or static mixing scalars).
 
     Every parameter is initialised so the first read is the uniform average of its sources: the
-    query is zero (paper: "all pseudo-query vectors must be initialized to zero").
+    query is zero (paper: "all pseudo-query vectors must be initialized to zero"). `mixing=scalars`
+    (DenseFormer) weighs its sources with raw learned scalars, initialised to 1: the first read is
+    the baseline's sum itself.
     """
 
     def __init__(self, d_model: int, options: ResidualConfig, n_sources: int, eps: float):
@@ -20,6 +23,9 @@ class DepthRead(nn.Module):
         self.heads = options.heads
         if options.mixing == "static":
             self.logits = nn.Parameter(torch.empty(n_sources))
+            return
+        if options.mixing == "scalars":
+            self.scalars = nn.Parameter(torch.empty(n_sources))
             return
         if options.query == "learned":
             self.query = nn.Parameter(torch.empty(d_model))
@@ -36,10 +42,16 @@ class DepthRead(nn.Module):
                 nn.init.zeros_(getattr(self, name))
         if hasattr(self, "query_proj"):
             nn.init.zeros_(self.query_proj.weight)
+        if hasattr(self, "scalars"):
+            nn.init.ones_(self.scalars)
 
     @property
     def is_static(self) -> bool:
-        return hasattr(self, "logits")
+        return hasattr(self, "logits") or hasattr(self, "scalars")
+
+    def static_weights(self, kernel: str) -> torch.Tensor:
+        """(N,) input-independent source weights."""
+        return self.scalars if hasattr(self, "scalars") else source_weights(self.logits, kernel)
 
     def _fold_gain(self, query: torch.Tensor) -> torch.Tensor:
         # RMSNorm(k) * g . w == rmsnorm(k) . (g * w): the gain moves onto the query.

@@ -37,7 +37,7 @@ class PipelinePlan:
         if self.n_chunks > cfg.n_blocks:
             raise ValueError(f"pp * vp = {pp} * {vp} = {self.n_chunks} chunks is more than model.n_blocks="
                              f"{cfg.n_blocks} transformer blocks; lower parallel.pp or parallel.vp")
-        self.attnres = cfg.residual.variant != "baseline"
+        self.attnres = cfg.residual.variant in ("full", "block")  # else one running sum crosses each cut
         base, extra = divmod(cfg.n_blocks, self.n_chunks)
         sizes = [base + int(c < extra) for c in range(self.n_chunks)]  # earlier chunks take the remainder
         starts = [sum(sizes[:c]) for c in range(self.n_chunks)]

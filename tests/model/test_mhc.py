@@ -65,9 +65,9 @@ def test_sinkhorn_output_is_doubly_stochastic():
     torch.testing.assert_close(mix.sum(-2), torch.ones(100, 20, 4), atol=1e-5, rtol=0)
 
 
-def naive_mhc_forward(model, x):
+def naive_mhc_forward(model, x, constrained: bool = True):
     """H_l = A_l H_{l-1} + beta_l v_l with per-token alpha, beta, A computed here from the definition
-    (Sinkhorn: exp, then 20 rounds of column and row normalisation)."""
+    (Sinkhorn: exp, then 20 rounds of column and row normalisation; HC, unconstrained: A as it is)."""
     m = model.cfg.residual.streams
     e = model.embed(x)
     streams = [e] * m
@@ -77,10 +77,12 @@ def naive_mhc_forward(model, x):
         dynamic = torch.tanh(x_norm @ conn.proj.weight.T)
         alpha = conn.read_bias + conn.gates[0] * dynamic[..., :m]
         beta = conn.write_bias + conn.gates[1] * dynamic[..., m:2 * m]
-        mix = torch.exp((conn.mix_bias + conn.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m)))
-        for _ in range(20):
-            mix = mix / mix.sum(-2, keepdim=True)
-            mix = mix / mix.sum(-1, keepdim=True)
+        mix = (conn.mix_bias + conn.gates[2] * dynamic[..., 2 * m:]).unflatten(-1, (m, m))
+        if constrained:
+            mix = torch.exp(mix)
+            for _ in range(20):
+                mix = mix / mix.sum(-2, keepdim=True)
+                mix = mix / mix.sum(-1, keepdim=True)
         v = f(sum(alpha[..., j:j + 1] * streams[j] for j in range(m)))
         streams = [sum(mix[..., k, j:j + 1] * streams[j] for j in range(m)) + beta[..., k:k + 1] * v
                    for k in range(m)]

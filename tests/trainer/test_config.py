@@ -12,14 +12,14 @@ VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
 
 def test_groups_are_the_documented_ones():
     assert MODELS == ["kimi_linear_48b", "l", "m", "s", "xs"]
-    assert VARIANTS == ["baseline", "block", "full", "mhc"]
+    assert VARIANTS == ["baseline", "block", "denseformer", "full", "hc", "highway", "mhc"]
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_model_and_variant_composes(model, variant):
     cfg = load_config([f"model={model}", f"variant={variant}"])
-    assert cfg.model.residual.variant == variant
+    assert cfg.model.residual.variant == ("full" if variant == "denseformer" else variant)  # a preset of Full
     if variant == "full":
         assert cfg.model.block_size == 1
     if variant == "block":  # the default block size gives about 8 blocks

@@ -1,0 +1,55 @@
+"""A trained run, for the tools that study one (export, depth_matrix, reskip, retrofit): its config, its
+model with the checkpoint's weights, and the same validation windows the trainer evaluates on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model import build_model
+from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from trainer.config import Config
+from trainer.data import open_dataset, resolve_dataset, val_batches
+
+
+@dataclass
+class TrainedRun:
+    checkpoint: Path
+    meta: dict
+    cfg: Config
+    model: torch.nn.Module
+
+    @property
+    def step(self) -> int | None:
+        return self.meta.get("step")
+
+    def validation_batches(self, batches: int, micro_batch: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first `batches` of the trainer's fixed validation windows, (inputs, targets) pairs."""
+        cfg = self.cfg
+        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
+        data = open_dataset(resolved, "val", cfg.model.vocab_size)
+        return list(val_batches(data, cfg.train.seq_len, micro_batch or cfg.train.micro_batch, batches))
+
+
+def run_config(checkpoint: Path, meta: dict) -> Config:
+    if "config" not in meta:
+        raise CheckpointError(f"checkpoint {checkpoint} has no config in its meta.json; cannot tell which model to build")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+    except OmegaConfBaseException as error:
+        raise CheckpointError(f"checkpoint {checkpoint} has a config this trainer cannot read "
+                              f"({str(error).splitlines()[0]})") from None
+
+
+def load_trained(checkpoint_or_run: str | Path) -> TrainedRun:
+    """The run's model (fp32, eval mode, on the CPU) with the weights of `checkpoint_or_run`: a checkpoint
+    directory, or a run directory (its newest checkpoint). Loading verifies the checkpoint's files first."""
+    path = resolve_checkpoint(checkpoint_or_run)
+    meta = read_meta(path)
+    cfg = run_config(path, meta)
+    model = build_model(cfg)
+    load_checkpoint(path, model, [], None, rank=0)
+    return TrainedRun(path, meta, cfg, model.eval())
