@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from parallel.dims import init_distributed, shutdown
+from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
 from scripts.experiments import Experiment, load_experiment, split_overrides
 from scripts.report import build_report
 from trainer.checkpoint import STEP_DIR, latest_checkpoint
@@ -40,6 +41,14 @@ def completed_steps(run_dir: Path) -> int:
     return int(STEP_DIR.fullmatch(checkpoint.name).group(1)) if checkpoint is not None else 0
 
 
+def ensure_depth_matrix(run_dir: Path, say) -> None:
+    """The report's M panel reads run_dir/depth_matrix/; one process computes what is missing (under
+    torchrun, run `python -m scripts.depth_matrix checkpoint=RUN` afterwards)."""
+    if (run_dir / "depth_matrix" / "depth_matrix.json").is_file() or latest_checkpoint(run_dir) is None:
+        return
+    say(depth_matrix(DepthMatrixArgs(checkpoint=str(run_dir))))
+
+
 def train_experiment(experiment: Experiment) -> list[Path]:
     """Train every planned run of this worker that is not finished; returns the run directories in plan
     order (none for a shard: the report needs every worker's runs)."""
@@ -52,12 +61,14 @@ def train_experiment(experiment: Experiment) -> list[Path]:
         done = completed_steps(run.run_dir)
         if done >= cfg.train.steps:
             say(f"{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
-            continue
-        state = f"resuming at step {done}" if done else "training"
-        say(f"{k}/{total} {run.name}: {state} to {cfg.train.steps} steps in {run.run_dir}")
-        started = time.perf_counter()
-        Trainer(cfg, info).fit()
-        say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+        else:
+            state = f"resuming at step {done}" if done else "training"
+            say(f"{k}/{total} {run.name}: {state} to {cfg.train.steps} steps in {run.run_dir}")
+            started = time.perf_counter()
+            Trainer(cfg, info).fit()
+            say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+        if info.world_size == 1:
+            ensure_depth_matrix(run.run_dir, say)
     if experiment.shard is not None:
         say(f"shard {experiment.shard[0]}/{experiment.shard[1]} done; once every shard is, run "
             f"`python -m scripts.compare experiment={experiment.name}` without shard= for the report")

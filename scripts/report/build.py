@@ -111,6 +111,22 @@ def scaling_section(groups: list[Group], out_dir: Path) -> list[str]:
     return lines + [""]
 
 
+def matrix_section(groups: list[Group], out_dir: Path) -> list[str]:
+    """The depth-mixing matrix M of every variant (scripts.depth_matrix), side by side."""
+    found = depth.matrix_panels(groups, out_dir / "depth_matrix.png")
+    if found is None:
+        return []
+    figure, rows = found
+    return ["## Depth-mixing matrix M (paper section 6.2)", "",
+            "h_l = sum_i M[i->l] v_i: each variant's mean M over validation tokens at its last checkpoint "
+            "(`python -m scripts.depth_matrix`), rows = readers (the last: the final read), columns = "
+            "sources (0: the embedding). Semiseparable rank: the largest numerical rank of a lower-left block "
+            "M[l >= k, i < k] per token (rtol 1e-4); entropy: of each row's |weights| normalised, mean over "
+            "reads after the first.", "", image(figure, "depth-mixing matrices"), "",
+            "| size | variant | runs | semiseparable rank (mean) | max | row entropy |", "|---|---|---|---|---|---|",
+            *rows, ""]
+
+
 def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) -> Path:
     """Write out_dir/report.md and its PNG figures; returns the report's path."""
     out_dir = Path(out_dir)
@@ -151,6 +167,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
                   image(importance, "layer importance"), ""]
     else:
         lines += ["No run recorded depth-attention weights (baseline and mHC have none).", ""]
+    lines += matrix_section(groups, out_dir)
     for size in sweeps.sweep_sizes(groups):
         figure = sweeps.block_size_sweep(groups, size, out_dir / f"block_size_sweep_{slug(size)}.png")
         lines += [f"## Block-size sweep ({size})", "", image(figure, "block-size sweep"), ""]

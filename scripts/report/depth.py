@@ -17,7 +17,7 @@ from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group
 from trainer.metrics import entropy
 
-MAGNITUDE_VARIANTS = ("baseline", "full", "block", "mhc")
+MAGNITUDE_VARIANTS = ("baseline", "highway", "full", "block", "mhc", "hc")
 
 
 def mean_record(group: Group, key: str) -> dict:
@@ -33,7 +33,7 @@ def mean_record(group: Group, key: str) -> dict:
 
 
 def _plain(group: Group) -> bool:
-    return group.kind in ("baseline", "mhc") or group.variant == "full" or group.is_plain_block
+    return group.kind in ("baseline", "highway", "mhc", "hc") or group.variant == "full" or group.is_plain_block
 
 
 def magnitudes(groups: list[Group], size: str, path: Path) -> Path | None:
@@ -121,3 +121,33 @@ def layer_importance(groups: list[Group], path: Path) -> Path | None:
         ax.set(xlabel="source index", ylabel="I_i = sum_l alpha_{i->l}", title=f"{group.size} {group.variant}")
         ax.grid(alpha=0.3, axis="y")
     return save(fig, path)
+
+
+def mean_matrix(group: Group) -> tuple[np.ndarray, list[dict]] | None:
+    """The mean M over the group's seeds (NaN above the diagonal) and each run's summary, or None."""
+    summaries = [run.depth_matrix for run in group.runs if run.depth_matrix is not None]
+    if not summaries:
+        return None
+    means = [np.array([[np.nan if v is None else v for v in row] for row in s["mean"]]) for s in summaries]
+    return np.mean(means, axis=0), summaries
+
+
+def matrix_panels(groups: list[Group], path: Path) -> tuple[Path, list[str]] | None:
+    """Every group's mean M side by side (one colour scale), and a table row per group."""
+    found = [(g, m) for g in groups if (m := mean_matrix(g)) is not None]
+    if not found:
+        return None
+    top = max(np.nanmax(np.abs(matrix)) for _, (matrix, _) in found)
+    fig, axes = new_figure(len(found), width=3.6, height=3.3, columns=4)
+    rows = []
+    for ax, (group, (matrix, summaries)) in zip(axes, found):
+        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest")
+        ax.set(title=f"{group.size} {group.variant}", xlabel="source i (0: embedding)", ylabel="reader l")
+        rank = [s["semiseparable_rank"] for s in summaries]
+        entropy_rows = np.mean([s["row_entropy"] for s in summaries], axis=0)
+        rows.append(f"| {group.size} | {group.variant} | {len(summaries)} "
+                    f"| {statistics.fmean(r['mean'] for r in rank):.2f} | {max(r['max'] for r in rank)} "
+                    f"| {statistics.fmean(entropy_rows[1:]):.3f} |")
+    fig.colorbar(image, ax=axes, shrink=0.6, label="M[i -> l] (mean over tokens and seeds)")
+    fig.savefig(path, dpi=110)
+    return path, rows

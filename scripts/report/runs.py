@@ -23,7 +23,7 @@ from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
 from trainer.config import CONFIG_DIR, Config
 
-VARIANT_ORDER = ("baseline", "full", "block", "mhc")
+VARIANT_ORDER = ("baseline", "highway", "full", "block", "mhc", "hc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
 # Recipe fields a comparison may vary on purpose (learning-rate sweeps, the old-initialisation control).
@@ -81,10 +81,13 @@ def size_name(model: ModelConfig) -> str:
 
 
 def variant_label(model: ModelConfig, with_block_size: bool = True) -> str:
-    """'baseline', 'full', 'block S=2', 'mhc m=4', plus every option that differs from its default."""
+    """'baseline', 'full', 'block S=2', 'mhc m=4', 'denseformer', plus every option that differs from its default."""
     r, default = model.residual, ResidualConfig()
+    if r.variant == "full" and r.mixing == "scalars":
+        return "denseformer"  # the preset (configs/variant/denseformer.yaml)
     block = f"block S={model.block_size}" if with_block_size else "block"
-    label = {"block": block, "mhc": f"mhc m={r.streams}"}.get(r.variant, r.variant)
+    label = {"block": block, "mhc": f"mhc m={r.streams}", "hc": f"hc m={r.streams}",
+             "highway": "highway" + (f" gate={r.gate}" if r.gate != default.gate else "")}.get(r.variant, r.variant)
     if r.variant in ("full", "block"):
         label += "".join(f" {key}={getattr(r, key)}" for key in OPTIONS if getattr(r, key) != getattr(default, key))
     return label
@@ -173,6 +176,12 @@ class Run:
     @property
     def final_diagnostics(self) -> dict | None:
         return self.diagnostics[-1] if self.diagnostics else None
+
+    @cached_property
+    def depth_matrix(self) -> dict | None:
+        """depth_matrix/depth_matrix.json (scripts.depth_matrix on the run's newest checkpoint), if written."""
+        path = self.path / "depth_matrix" / "depth_matrix.json"
+        return json.loads(path.read_text()) if path.is_file() else None
 
 
 @dataclass
