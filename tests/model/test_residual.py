@@ -163,6 +163,27 @@ def test_sliding_window_sees_embedding_plus_last_sources():
     assert sorted(diagnostics["depth_weights"][2]) == [0, 1]
 
 
+def test_input_dependent_query_is_a_scaled_projection_of_the_latest_source():
+    """q_l = W_l RMSNorm(v_{l-1}) / sqrt(d), then the paper's read: Full AttnRes written out naively."""
+    model = make("full", "variant.query=input_dependent")
+    with torch.no_grad():
+        for read, _ in sublayer_fns(model):
+            read.query_proj.weight.normal_(std=0.3)
+    d = model.cfg.d_model
+
+    def read_of(sources, read):
+        query = read.query_proj(read.query_norm(sources[-1])) / d ** 0.5
+        values = torch.stack(sources)                                     # (N, B, T, d)
+        scores = (read.key_norm(values) * query).sum(-1)                  # (N, B, T)
+        return (torch.softmax(scores, 0).unsqueeze(-1) * values).sum(0)
+
+    outputs = [model.embed(tokens())]
+    for read, f in sublayer_fns(model):
+        outputs.append(f(read_of(outputs, read)))
+    final = model.lm_head(model.norm(read_of(outputs, model.final_res)))
+    torch.testing.assert_close(model(tokens()), final, atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("overrides", [
     ["variant=full", "variant.query=input_dependent"],
     ["variant=full", "variant.mixing=static"],
