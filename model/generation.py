@@ -3,6 +3,10 @@
 Depth attention mixes sources within one token, so decoding keeps no block representations of past
 tokens: the KDA recurrent state and the MLA compressed KV are the whole cache. During prefill every
 token of a chunk holds its blocks; `prefill_chunk` bounds that memory.
+
+`compile=True` runs the one-token decode step through torch.compile (prefill stays eager: its length
+varies). The MLA cache grows by a token per step, so the first steps recompile until dynamo marks the
+cache length dynamic (automatic dynamic shapes); from then on every step reuses one set of graphs.
 """
 from __future__ import annotations
 
@@ -34,10 +38,17 @@ def prefill(model, tokens: torch.Tensor, cache, chunk: int | None = None) -> tor
     return logits
 
 
+def decode_step(model, compile: bool = False):
+    """The call that continues a sequence by one token: (B, 1) tokens, cache -> (B, 1, vocab) logits."""
+    return torch.compile(model) if compile else model
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             prefill_chunk: int | None = None, seed: int | None = None, stop_token: int | None = None) -> torch.Tensor:
-    """prompt (B, T0) -> (B, T0 + generated). Stops early when every row produced `stop_token`."""
+             prefill_chunk: int | None = None, seed: int | None = None, stop_token: int | None = None,
+             compile: bool = False) -> torch.Tensor:
+    """prompt (B, T0) -> (B, T0 + generated). Stops early when every row produced `stop_token`.
+    compile: run the decode step through torch.compile (see the module docstring)."""
     if prompt.shape[1] == 0:
         raise ValueError("the prompt is empty; give at least one token")
     model.eval()
@@ -45,6 +56,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     cache = model.new_inference_cache(prompt.shape[0], weight.device, weight.dtype)
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
     logits = prefill(model, prompt, cache, prefill_chunk)
+    step = decode_step(model, compile)
     out = prompt
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
@@ -54,5 +66,5 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
             done |= token == stop_token
             if done.all():
                 break
-        logits = model(token.unsqueeze(1), cache=cache)
+        logits = step(token.unsqueeze(1), cache=cache)
     return out

@@ -86,7 +86,7 @@ class MultiHeadLatentAttention(nn.Module):
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H, T|S, D)
-            attn_mask=mask, is_causal=past == 0, scale=self.scale,
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
         )  # (B, H, T, v)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)  # (B, T, H*v)
         return self.o_proj(out)

@@ -3,6 +3,19 @@
 Routing: scores = sigmoid(router(x)) in fp32. The top-k experts are picked on scores + expert_bias, but the
 combine weights come from the unbiased scores of the picked experts, so the bias steers load without
 changing what the chosen experts contribute. The trainer calls update_bias() once per optimizer step.
+
+Experts and host syncs (`expert_impl`, EXPERT_IMPLS). `loop`, the reference, runs one matmul chain per
+expert and splits the rows by `counts.tolist()`: on a GPU that waits for the device once per MoE layer
+(and under torch.compile it runs as one opaque op, since dynamo cannot trace the split). `grouped` runs
+three grouped GEMMs (torch._grouped_mm) and `gather` batches each row with its expert's weights (decode
+sizes only); both, like the routing and combine around them, take every shape from the input alone, so
+a single-device forward and backward never wait. `auto` takes grouped for bf16 on CUDA, gather for at
+most one row per expert, and the loop otherwise (the CPU's training path).
+
+Expert parallelism (parallel/expert.py) genuinely needs the split sizes on the host for its
+variable-size all-to-alls, so it waits in each MoE layer's forward before the dispatch and again before
+the combine (its `.tolist()` calls and the regrouping's repeat_interleave; the backward reuses the
+sizes); its local experts go through grouped_swiglu with auto, so they take the grouped path on CUDA.
 """
 from __future__ import annotations
 
@@ -15,10 +28,12 @@ from model.init import InitStds
 from model.mlp import SwiGLU
 
 
-def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts over rows grouped by expert: rows (M, d) with counts (E,) summing to M and weight
-    stacks (E, d, inter), (E, d, inter), (E, inter, d) -> (M, d)."""
+EXPERT_IMPLS = ("auto", "loop", "grouped", "gather")
+
+
+def loop_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """The reference: one matmul chain per expert. `counts.tolist()` is a host sync on a GPU."""
     outputs = []
     for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
         if x_e.shape[0] == 0:  # idle experts cost only op overhead (most of them while decoding)
@@ -30,10 +45,173 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
     return torch.cat(outputs)
 
 
+@torch.library.custom_op("attnres::expert_loop", mutates_args=())
+def _expert_loop_op(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The loop as one opaque op, for torch.compile: dynamo cannot trace `counts.tolist()` (a graph break,
+    which in the decoder's layer loop drops the whole forward back to eager), but can call this."""
+    return loop_swiglu(x_sorted, counts, w_gate, w_up, w_down)
+
+
+@_expert_loop_op.register_fake
+def _(x_sorted, counts, w_gate, w_up, w_down):
+    return x_sorted.new_empty(x_sorted.shape[0], w_down.shape[-1])
+
+
+@torch.library.custom_op("attnres::expert_loop_backward", mutates_args=())
+def _expert_loop_backward_op(grad: torch.Tensor, x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor,
+                             w_up: torch.Tensor, w_down: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of the loop for the rows and the three weight stacks, recomputing each expert's forward
+    (by hand: autograd does not record inside an op's kernel)."""
+    d_x = torch.zeros_like(x_sorted)
+    d_gate, d_up, d_down = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        x_e, g_e = x_sorted[start:start + n], grad[start:start + n]  # (n, d)
+        a, b = x_e @ w_gate[e], x_e @ w_up[e]  # (n, inter)
+        sig = torch.sigmoid(a)
+        d_h = g_e @ w_down[e].T  # (n, inter)
+        d_down[e] = (a * sig * b).T @ g_e  # h = silu(a) * b
+        d_a = d_h * b * sig * (1 + a * (1 - sig))  # silu'(a) = sig(a) (1 + a (1 - sig(a)))
+        d_b = d_h * a * sig
+        d_gate[e], d_up[e] = x_e.T @ d_a, x_e.T @ d_b
+        d_x[start:start + n] = d_a @ w_gate[e].T + d_b @ w_up[e].T
+        start += n
+    return [d_x, d_gate, d_up, d_down]
+
+
+@_expert_loop_backward_op.register_fake
+def _(grad, x_sorted, counts, w_gate, w_up, w_down):
+    return [torch.empty_like(t) for t in (x_sorted, w_gate, w_up, w_down)]
+
+
+def _save_loop_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _loop_backward(ctx, grad):
+    x_sorted, counts, w_gate, w_up, w_down = ctx.saved_tensors
+    d_x, d_gate, d_up, d_down = _expert_loop_backward_op(grad, x_sorted, counts, w_gate, w_up, w_down)
+    return d_x, None, d_gate, d_up, d_down
+
+
+_expert_loop_op.register_autograd(_loop_backward, setup_context=_save_loop_inputs)
+
+
+def compilable_loop_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                           w_down: torch.Tensor) -> torch.Tensor:
+    """The loop; under torch.compile as an opaque op (same numbers, no graph break)."""
+    if torch.compiler.is_compiling():
+        return _expert_loop_op(x_sorted, counts, w_gate, w_up, w_down)
+    return loop_swiglu(x_sorted, counts, w_gate, w_up, w_down)
+
+
+def gather_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+    """The loop's contract with each row's expert weights gathered and batched: no host sync and no
+    data-dependent shape, so a compiled decode step stays one graph. It copies a weight set per row,
+    so it suits decode-sized inputs only (auto takes it for at most one row per expert)."""
+    rows = x_sorted.shape[0]
+    expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                            output_size=rows)  # (rows,); output_size: no host sync
+    x = x_sorted.unsqueeze(1)  # (rows, 1, d)
+    h = F.silu(x @ w_gate[expert_of_row]) * (x @ w_up[expert_of_row])  # (rows, 1, inter)
+    return (h @ w_down[expert_of_row]).squeeze(1)  # (rows, d)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's when it is on (as the loop's matmuls would), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _row_alignment(dtype: torch.dtype) -> int:
+    """Rows per group (and elements per row) the grouped GEMM needs: 16 bytes, for the TMA loads of its
+    kernels; the weight gradient contracts over each expert's rows, so its group sizes must align too."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def grouped_mm_refusal(x_sorted: torch.Tensor, w_down: torch.Tensor) -> str | None:
+    """Why the grouped GEMM cannot run these shapes (None when it can)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"expert_impl=grouped needs torch._grouped_mm (torch >= 2.8), not torch {torch.__version__}"
+    align = _row_alignment(_compute_dtype(x_sorted))
+    d, inter = w_down.shape[-1], w_down.shape[-2]
+    if d % align or inter % align:
+        return (f"expert_impl=grouped needs d_model ({d}) and moe_inter ({inter}) to be multiples of {align} "
+                f"(16 bytes of {_compute_dtype(x_sorted)}); use expert_impl=loop")
+    return None
+
+
+def padded_rows(counts: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Place each expert's rows at a start that is a multiple of `align`, on the device (no host sync).
+    counts (E,) summing to `rows` -> destination of each row (rows,), group end offsets (E,) int32, and
+    the padded row count: a bound fixed by the shapes alone, rows + E * align rounded up to align. The last
+    group ends there, so the slack past the real rows is zero rows of the last expert, never unset memory."""
+    n_experts = counts.shape[0]
+    padded_total = -(-rows // align) * align + n_experts * align
+    padded_counts = (counts + align - 1) // align * align  # (E,)
+    ends, padded_ends = counts.cumsum(0), padded_counts.cumsum(0)  # (E,)
+    shift = (padded_ends - padded_counts) - (ends - counts)  # (E,) how far each group moves down
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=counts.device), counts,
+                                            output_size=rows)  # (rows,); output_size: no host sync
+    destination = torch.arange(rows, device=counts.device) + shift[expert_of_row]  # (rows,)
+    offsets = padded_ends.to(torch.int32)
+    offsets[-1] = padded_total
+    return destination, offsets, padded_total
+
+
+def grouped_mm_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor) -> torch.Tensor:
+    """The loop's contract with three grouped GEMMs (torch._grouped_mm) and no host sync: every shape
+    follows from x_sorted's, so the CPU can queue the next layer while the GPU works."""
+    refusal = grouped_mm_refusal(x_sorted, w_down)
+    if refusal is not None:
+        raise ValueError(refusal)
+    dtype = _compute_dtype(x_sorted)
+    rows, d = x_sorted.shape
+    destination, offsets, padded_total = padded_rows(counts, rows, _row_alignment(dtype))
+    x_padded = x_sorted.new_zeros(padded_total, d, dtype=dtype).index_copy(0, destination, x_sorted.to(dtype))
+    gate = torch._grouped_mm(x_padded, w_gate.to(dtype), offsets)  # (padded, inter)
+    up = torch._grouped_mm(x_padded, w_up.to(dtype), offsets)  # (padded, inter)
+    y_padded = torch._grouped_mm(F.silu(gate) * up, w_down.to(dtype), offsets)  # (padded, d)
+    return y_padded.index_select(0, destination)  # (rows, d)
+
+
+def choose_expert_impl(impl: str, x_sorted: torch.Tensor, w_down: torch.Tensor) -> str:
+    """auto: the grouped GEMM for bf16 CUDA work (its only fast kernel, sm80+) with aligned shapes; else
+    gather for decode-sized inputs (at most one row per expert) and the loop for the rest."""
+    if impl in ("loop", "grouped", "gather"):
+        return impl
+    if impl != "auto":
+        raise ValueError(f"expert_impl={impl!r} is not one of {' | '.join(EXPERT_IMPLS)}")
+    if (x_sorted.is_cuda and _compute_dtype(x_sorted) == torch.bfloat16
+            and torch.cuda.get_device_capability(x_sorted.device) >= (8, 0)
+            and grouped_mm_refusal(x_sorted, w_down) is None):
+        return "grouped"
+    return "gather" if x_sorted.shape[0] <= w_down.shape[0] else "loop"
+
+
+EXPERT_PATHS = {"loop": compilable_loop_swiglu, "grouped": grouped_mm_swiglu, "gather": gather_swiglu}
+
+
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert: rows (M, d) with counts (E,) summing to M and weight
+    stacks (E, d, inter), (E, d, inter), (E, inter, d) -> (M, d). impl: one of EXPERT_IMPLS."""
+    path = EXPERT_PATHS[choose_expert_impl(impl, x_sorted, w_down)]
+    return path(x_sorted, counts, w_gate, w_up, w_down)
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, expert_impl: str = "auto"):
         super().__init__()
         moe = cfg.moe
+        # loop | grouped | auto (grouped GEMM for bf16 on CUDA, the loop elsewhere): see grouped_swiglu.
+        self.expert_impl = expert_impl
         self.n_experts = moe.n_routed_experts
         self.top_k = moe.top_k
         self.routed_scaling_factor = moe.routed_scaling_factor
@@ -84,7 +262,9 @@ class MoE(nn.Module):
         flat_ids = expert_ids.reshape(-1)  # (N*k,)
         order = torch.argsort(flat_ids, stable=True)  # (N*k,)
         token_of = order // self.top_k  # (N*k,) source token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=self.n_experts)  # (E,)
+        # Not bincount: on CUDA it reads the largest id back to the host to size its output.
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # (E,)
         x_sorted = x_flat[token_of]  # (N*k, d)
 
         y_sorted = self.run_experts(x_sorted, counts) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)  # (N*k, d)
@@ -100,7 +280,7 @@ class MoE(nn.Module):
     def run_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Assignments sorted by expert (N*k, d), counts (E,) per expert -> expert outputs (N*k, d).
         The seam expert parallelism replaces: it sends each slice to the rank that holds its expert."""
-        return grouped_swiglu(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
+        return grouped_swiglu(x_sorted, counts, self.w_gate, self.w_up, self.w_down, self.expert_impl)
 
     def _sequence_balance_loss(self, expert_ids: torch.Tensor, scores: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """DeepSeek-V3 complementary sequence-wise balance loss, per sequence then averaged over the batch:

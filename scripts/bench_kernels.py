@@ -2,6 +2,11 @@
 with achieved memory bandwidth against the device's peak. Needs a CUDA GPU (exits 0 without one).
 
     python -m scripts.bench_kernels [--dtype bf16] [--tokens 8192] [--peak-gbps 4800] [--reps 20]
+                                    [--dims 1024 2304 4096] [--sources 4 8 10] [--queries 2 6] [--summary]
+
+--summary ends with one line for scripts/gpu_check.sh: PASS or FAIL, the worst row's speedup over
+torch.compile, share of peak bandwidth and error, against the goals (--goal-speedup, --goal-peak-pct,
+--max-error); every row must meet all three.
 
 Bandwidth counts the bytes a fused forward+backward must move at least (each tensor read or written
 once per pass), so it is comparable across implementations: higher is better, the peak is the roof.
@@ -13,6 +18,7 @@ once per pass), so it is comparable across implementations: higher is better, th
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 
@@ -98,6 +104,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak (default: from the name)")
+    parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
+    parser.add_argument("--sources", type=int, nargs="+", default=list(SOURCES), help="phase 1's N")
+    parser.add_argument("--queries", type=int, nargs="+", default=list(QUERIES), help="phase 1's S")
+    parser.add_argument("--summary", action="store_true", help="end with one PASS/FAIL line against the goals")
+    parser.add_argument("--goal-speedup", type=float, default=1.4, help="triton vs torch.compile, every row")
+    parser.add_argument("--goal-peak-pct", type=float, default=70.0, help="%% of peak bandwidth, every row")
+    parser.add_argument("--max-error", type=float, default=2e-2, help="max relative error vs the reference")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU; none found, nothing to measure.")
@@ -108,15 +121,34 @@ def main() -> None:
     print(f"{name}, peak {peak or '?'} GB/s, {args.dtype}, {args.tokens} tokens, forward+backward, median ms")
     print("| op | d | N | S | reference | compile | triton | vs compile | GB/s | % peak | max rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [("phase1", d, n, s) for d in DIMS for n in SOURCES for s in QUERIES] + [("phase2", d, 1, 1) for d in DIMS]
+    rows = ([("phase1", d, n, s) for d in args.dims for n in args.sources for s in args.queries]
+            + [("phase2", d, 1, 1) for d in args.dims])
+    results = []
     for op, d, n, s in rows:
         torch._dynamo.reset()  # a fresh compile per shape, as a training run of that shape would have
         case = phase1_case(args.tokens, d, n, s, dtype) if op == "phase1" else phase2_case(args.tokens, d, dtype)
         r = bench(*case, args.reps, peak)
+        results.append(r)
         print(f"| {op} | {d} | {n} | {s} | {r['reference']:.3f} | {r['compile']:.3f} | {r['triton']:.3f} | "
               f"{r['speedup_vs_compile']:.2f}x | {r['gbps']:.0f} | {r['peak_pct']:.0f} | {r['max_rel_error']:.1e} |",
               flush=True)
         torch.cuda.empty_cache()
+    if args.summary:
+        line = summary_line(results, args)
+        print(line)
+        sys.exit(line.startswith("FAIL"))
+
+
+def summary_line(results: list[dict], args) -> str:
+    """PASS when every row meets the speedup and bandwidth goals within the error bound (no known peak: FAIL)."""
+    speedup = min(r["speedup_vs_compile"] for r in results)
+    peaks = [r["peak_pct"] for r in results]
+    peak_pct = float("nan") if any(math.isnan(p) for p in peaks) else min(peaks)  # nan (peak unknown) fails
+    error = max(r["max_rel_error"] for r in results)
+    passed = speedup >= args.goal_speedup and peak_pct >= args.goal_peak_pct and error <= args.max_error
+    return (f"{'PASS' if passed else 'FAIL'} bench_kernels rows={len(results)} min_vs_compile={speedup:.2f}x "
+            f"(goal >= {args.goal_speedup}x) min_peak={peak_pct:.0f}% (goal >= {args.goal_peak_pct:.0f}%) "
+            f"max_rel_error={error:.1e} (<= {args.max_error:.0e})")
 
 
 if __name__ == "__main__":

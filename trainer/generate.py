@@ -14,6 +14,8 @@ Options (key=value, default after the =):
   top_p=1.0         nucleus sampling: keep the most likely tokens up to this mass, in (0, 1]
   prefill_chunk=0   prompt tokens per prefill step (>= 0; 0 prefills the whole prompt at once)
   seed=0            sampling seed (>= 0)
+  compile=False     True: torch.compile the one-token decode step (the first steps compile, then decode
+                    is faster; greedy tokens are the same as without)
   variant=          optional: refuse an export of another residual variant (baseline|full|block|mhc)
   tokenizer=        tokenizer.json to use instead of the one in the export directory
 """
@@ -46,6 +48,7 @@ class GenerateArgs:
     top_p: float = 1.0
     prefill_chunk: int = 0
     seed: int = 0
+    compile: bool = False
     variant: str | None = None
     tokenizer: str | None = None
 
@@ -160,7 +163,7 @@ def run(args: GenerateArgs) -> str:
     check_prompt(ids, args.max_new_tokens, cfg)
     model = load_exported_model(export_dir, cfg)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_p,
-                   args.prefill_chunk or None, seed=args.seed)
+                   args.prefill_chunk or None, seed=args.seed, compile=args.compile)
     return tokenizer.decode(out[0].tolist())
 
 

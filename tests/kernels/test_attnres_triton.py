@@ -1,5 +1,6 @@
 """The fused Triton depth read (phase 1, phase 2) against the plain-torch reference, on the CPU
-through the Triton interpreter: outputs and every gradient, odd sizes, fp32 and bf16, one and two heads.
+through the Triton interpreter (or compiled on a GPU: KERNEL_TEST_DEVICE=cuda, see kernel_device.py):
+outputs and every gradient, odd sizes, fp32 and bf16, one and two heads.
 
 Errors are measured against the reference run in fp64 on the same (rounded) inputs, relative to the
 largest reference magnitude. fp32 reaches ~5e-6 (FP32_TOL). In bf16 the statistics and phase 1's
@@ -7,9 +8,7 @@ outputs stay fp32, but phase 2's h and the gradients of bf16 inputs are bf16 ten
 interpreter truncates fp32 -> bf16 on store (a GPU rounds to nearest), so those carry up to two bf16
 ulps, ~7e-3 (BF16_TOL).
 """
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernels run on the CPU
+from kernel_device import DEVICE, ON_CUDA  # before triton is first imported: it picks the interpreter
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,7 +34,8 @@ PHASE2_SHAPES = [(1, 1, 48, 1), (2, 3, 72, 2), (1, 5, 72, 1)]
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp(min=1)).item()
+    actual, expected = actual.cpu().double(), expected.cpu().double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1)).item()
 
 
 def run_with_grads(fn, inputs: list[torch.Tensor], n_differentiable: int) -> list[torch.Tensor]:
@@ -44,7 +44,7 @@ def run_with_grads(fn, inputs: list[torch.Tensor], n_differentiable: int) -> lis
     inputs = [x.detach().requires_grad_() for x in inputs]
     outputs = fn(*inputs)
     gen = torch.Generator().manual_seed(1)
-    loss = sum((out * torch.randn(out.shape, generator=gen).to(out.dtype)).sum()
+    loss = sum((out * torch.randn(out.shape, generator=gen).to(out.device, out.dtype)).sum()
                for out in outputs[:n_differentiable])
     loss.backward()
     return [*outputs, *(x.grad for x in inputs)]
@@ -69,7 +69,8 @@ def check_phase1(blocks, queries, eps, tol):
         return reference.phase1(list(blocks), queries, inv_rms)
 
     expected = run_with_grads(reference_phase1, [queries.double(), *(b.double() for b in blocks)], 3)
-    actual = run_with_grads(lambda q, *bs: fused.phase1(list(bs), q, eps), [queries, *blocks], 3)
+    on_device = [x.to(DEVICE) for x in [queries, *blocks]]
+    actual = run_with_grads(lambda q, *bs: fused.phase1(list(bs), q, eps), on_device, 3)
     names = ["o", "m", "l", "scores", "d_queries", *(f"d_block{i}" for i in range(len(blocks)))]
     assert_matches(actual, expected, names, tol)
 
@@ -116,11 +117,12 @@ def test_phase2_matches_reference(shape, dtype, key_norm):
 
     inputs = [o1, m1, l1, partial, query]
     expected = run_with_grads(reference_phase2, [x.double() for x in inputs], 1)
-    actual = run_with_grads(lambda *xs: fused.phase2(*xs, eps), inputs, 1)
+    actual = run_with_grads(lambda *xs: fused.phase2(*xs, eps), [x.to(DEVICE) for x in inputs], 1)
     names = ["h", "scores", "d_o1", "d_m1", "d_l1", "d_partial", "d_query"]
     assert_matches(actual, expected, names, TOL[dtype])
 
 
+@pytest.mark.skipif(ON_CUDA, reason="dispatch on CPU tensors is checked under the interpreter")
 def test_dispatcher_takes_the_kernels_only_when_asked_and_able(monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "phase1", lambda *args: calls.append(args))
@@ -150,12 +152,12 @@ def model_logits_and_grads(impl: str, heads: int):
     torch.manual_seed(0)
     cfg = load_config(["model=xs", "variant=block", "variant.block_size=3", "variant.two_phase=true",
                        f"variant.heads={heads}", f"model.kernel_impl={impl}"])
-    model = build_model(cfg)
+    model = build_model(cfg).to(DEVICE)
     with torch.no_grad():  # random queries and gains: zero-init would make every read uniform
         for name, p in model.named_parameters():
             if name.endswith(".query") or "key_norm" in name:
                 p.copy_(torch.randn_like(p))
-    tokens = torch.randint(0, cfg.model.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     logits = model(tokens)
     logits.pow(2).mean().backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

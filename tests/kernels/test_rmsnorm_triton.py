@@ -1,12 +1,11 @@
-"""The fused Triton RMSNorm against the plain-torch reference under the CPU interpreter.
+"""The fused Triton RMSNorm against the plain-torch reference under the CPU interpreter (or compiled on
+a GPU: KERNEL_TEST_DEVICE=cuda, see kernel_device.py).
 
 Errors are relative to the largest magnitude of the reference run in fp64 on the same inputs: fp32
 reaches ~1e-7; bf16 outputs and input gradients are bf16 tensors, truncated on store by the
 interpreter (a GPU rounds to nearest), so up to two bf16 ulps, ~7e-3.
 """
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: the kernels run on the CPU
+from kernel_device import DEVICE, ON_CUDA  # before triton is first imported: it picks the interpreter
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -22,13 +21,14 @@ EPS = 1e-5
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp(min=1)).item()
+    actual, expected = actual.cpu().double(), expected.cpu().double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1)).item()
 
 
 def norm_with_grads(fn, x: torch.Tensor, weight: torch.Tensor):
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
     y = fn(x, weight, EPS)
-    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)).sum().backward()
+    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, y.dtype)).sum().backward()
     return y, x.grad, weight.grad
 
 
@@ -39,12 +39,13 @@ def test_rms_norm_matches_reference(shape, dtype):
     x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
     weight = torch.randn(shape[-1], generator=gen)
     expected = norm_with_grads(reference.rms_norm, x.double(), weight.double())
-    actual = norm_with_grads(fused.rms_norm, x, weight)
+    actual = norm_with_grads(fused.rms_norm, x.to(DEVICE), weight.to(DEVICE))
     errors = {name: max_error(a, e) for name, a, e in zip(["y", "d_x", "d_weight"], actual, expected)}
     assert max(errors.values()) <= TOL[dtype], errors
     assert actual[0].dtype == dtype and actual[1].dtype == dtype and actual[2].dtype == torch.float32
 
 
+@pytest.mark.skipif(ON_CUDA, reason="dispatch on CPU tensors is checked under the interpreter")
 def test_dispatcher_takes_the_kernel_only_when_asked_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "rms_norm", lambda *args: calls.append(args))

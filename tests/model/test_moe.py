@@ -1,10 +1,11 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig, MoEConfig
 from model.init import init_stds, initialise
 from model.mlp import SwiGLU
-from model.moe import MoE
+from model.moe import MoE, choose_expert_impl, grouped_swiglu, padded_rows
 
 
 def make_moe(d=8, experts=4, top_k=2, inter=6, shared=1, scale=1.0, rate=1e-3, aux=0.0, seed=0) -> MoE:
@@ -164,3 +165,85 @@ def test_sequence_balance_loss():
     off = make_moe(aux=0.0)
     off(x)
     assert off.aux_loss.item() == 0.0
+
+
+def expert_rows(counts, d=16, seed=0):
+    """Rows sorted by expert for `counts` (E,), and weight stacks with moe_inter 16 (aligned for fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(counts)
+    E = counts.shape[0]
+    x = torch.randn(int(counts.sum()), d, generator=gen)
+    weights = [torch.randn(E, d, 16, generator=gen) * 0.3, torch.randn(E, d, 16, generator=gen) * 0.3,
+               torch.randn(E, 16, d, generator=gen) * 0.3]
+    return x, counts, weights
+
+
+def outputs_and_grads(impl, x, counts, weights):
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    y = grouped_swiglu(leaves[0], counts, *leaves[1:], impl=impl)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    # With no rows the loop leaves the weights out of the graph (grad None); the grouped path gives zeros.
+    return [y.detach(), *(torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in leaves)]
+
+
+# Uneven groups, an idle expert first, middle and last, one expert taking everything, and no rows at all.
+@pytest.mark.parametrize("impl", ["grouped", "gather"])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 7, 0, 0], [9, 2, 4, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+def test_sync_free_paths_equal_the_loop(counts, impl):
+    """torch._grouped_mm runs on CPU tensors in torch 2.13 (fp32 and bf16): the grouped path's padding,
+    offsets and gather are checked here against the loop; its bf16 CUDA kernel in scripts/gpu_check.sh."""
+    x, counts, weights = expert_rows(counts)
+    loop = outputs_and_grads("loop", x, counts, weights)
+    other = outputs_and_grads(impl, x, counts, weights)
+    for name, got, want in zip(["y", "d_x", "d_gate", "d_up", "d_down"], other, loop, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def testpadded_rows_align_every_group_within_a_shape_only_bound():
+    destination, offsets, padded_total = padded_rows(torch.tensor([3, 0, 9, 1]), 13, 4)
+    assert padded_total == 16 + 4 * 4  # from the row count alone: no host sync to size it
+    assert offsets.dtype == torch.int32
+    assert offsets.tolist() == [4, 4, 16, 32]  # group starts 0, 4, 4, 16: multiples of 4; the last takes the slack
+    assert destination.tolist() == [0, 1, 2, *range(4, 13), 16]
+
+
+@pytest.mark.parametrize("impl", ["grouped", "gather"])
+def test_moe_layer_with_sync_free_experts_equals_the_loop(impl):
+    moe = make_moe(d=16, experts=5, top_k=2, inter=8, scale=1.7)
+    x = torch.randn(3, 7, 16)
+    moe.expert_impl = "loop"
+    loop = moe(x)
+    moe.expert_impl = impl
+    torch.testing.assert_close(moe(x), loop, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_takes_the_loop_on_cpu_but_gathers_for_decode_and_bad_choices_fail_in_one_line():
+    x, counts, weights = expert_rows([2, 3])  # 5 rows, 2 experts
+    assert choose_expert_impl("auto", x, weights[2]) == "loop"
+    assert choose_expert_impl("auto", x.bfloat16(), weights[2].bfloat16()) == "loop"  # grouped: CUDA only
+    assert choose_expert_impl("auto", x[:2], weights[2]) == "gather"  # one row per expert at most: decoding
+    assert choose_expert_impl("grouped", x, weights[2]) == "grouped"
+    with pytest.raises(ValueError, match=r"^expert_impl='fast' is not one of auto \| loop \| grouped \| gather$"):
+        choose_expert_impl("fast", x, weights[2])
+    unaligned = make_moe(d=8, inter=6)
+    unaligned.expert_impl = "grouped"
+    with pytest.raises(ValueError, match=r"^expert_impl=grouped needs d_model \(8\) and moe_inter \(6\) to be "
+                                         r"multiples of 4 \(16 bytes of torch.float32\); use expert_impl=loop$"):
+        unaligned(torch.randn(1, 3, 8))
+
+
+def test_compiled_moe_layer_is_one_graph_and_equals_eager_with_gradients():
+    """fullgraph=True turns any graph break into an error: the loop's counts.tolist() must not break the
+    graph (under compile it runs as one opaque op), forward and backward."""
+    moe = make_moe(d=16, experts=4, top_k=2, inter=8)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    moe.expert_impl = "loop"
+    leaves = (x, moe.w_gate, moe.w_up, moe.w_down, moe.router.weight)
+    eager_out = moe(x)
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), leaves)
+    torch._dynamo.reset()
+    compiled_out = torch.compile(moe, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled_out.square().sum(), leaves)
+    torch.testing.assert_close(compiled_out, eager_out, atol=1e-5, rtol=1e-5)
+    for name, got, want in zip(["x", "w_gate", "w_up", "w_down", "router"], compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)

@@ -69,6 +69,13 @@ def test_the_prompt_is_taken_verbatim(export_dir, capsys, prompt):
     assert capsys.readouterr().out.startswith(prompt)
 
 
+def test_compiled_decode_prints_the_eager_text(export_dir, capsys):
+    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=4"])
+    eager = capsys.readouterr().out
+    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=4", "compile=true"])
+    assert capsys.readouterr().out == eager
+
+
 def test_checkpoint_is_an_alias_of_model(export_dir, capsys):
     main([f"checkpoint={export_dir}", "prompt=the king", "max_new_tokens=3"])
     via_alias = capsys.readouterr().out
@@ -158,9 +165,10 @@ def test_prompt_plus_new_tokens_beyond_the_trained_context_is_refused(export_dir
     (["prompt=hi", "max_new_tokens=1", "tokenizer=/nonexistent/tokenizer.json"],
      "tokenizer /nonexistent/tokenizer.json not found"),
     (["prompt=hi", "colour=red"], "unknown key 'colour'; valid keys: model, checkpoint, prompt, max_new_tokens, "
-                                  "temperature, top_p, prefill_chunk, seed, variant, tokenizer"),
+                                  "temperature, top_p, prefill_chunk, seed, compile, variant, tokenizer"),
     (["--prompt", "hi"], "argument '--prompt' is not key=value; valid keys: model, checkpoint"),
     (["prompt=hi", "max_new_tokens=many"], "max_new_tokens: Value 'many' of type 'str' could not be converted"),
+    (["prompt=hi", "compile=sometimes"], "compile: Value 'sometimes' is not a valid bool"),
 ])
 def test_bad_input_fails_with_one_line(export_dir, capsys, args, fragment):
     assert fragment in one_line_error(capsys, [f"model={export_dir}", *args])
