@@ -265,6 +265,17 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
     return norm
 
 
+def moe_load_imbalance(model: Decoder, layout: Layout) -> float:
+    """Mean max/mean expert load over every MoE layer of the model (1.0: none). A pipeline rank holds only
+    its stages' layers, so the sums go over the pipeline group; call after sync_moe_load."""
+    layers = model.moe_layers()
+    device = layers[0].load_counts.device if layers else torch.device("cpu")
+    totals = torch.tensor([sum(moe.load_imbalance() for moe in layers), len(layers)], dtype=torch.float64,
+                          device=device)
+    _all_reduce(totals, layout.pp_group)
+    return (totals[0] / totals[1]).item() if totals[1] else 1.0
+
+
 @torch.no_grad()
 def sync_moe_load(model: Decoder, layout: Layout) -> None:
     """Sum expert load over the ranks that routed different tokens (dp, which counts the fsdp shards,

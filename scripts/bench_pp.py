@@ -1,7 +1,9 @@
 """Step time under pipeline parallelism: Block AttnRes with the cross-stage cache on and off, and the
-baseline, interleaved round by round in one launch; peak memory per rank.
+baseline, interleaved round by round in one launch; peak memory per rank. --compile runs every case
+with train.compile=true (the warm-up step compiles, the timed rounds do not).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench_pp [--model s] [--rounds 4] [overrides...]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench_pp [--model s] [--rounds 4] [--compile]
+        [overrides...]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--model", default="s")
     parser.add_argument("--parallel", default="pp2_vp2")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--compile", action="store_true", help="train.compile=true for every case")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     info = init_distributed()
@@ -39,10 +42,14 @@ def main() -> None:
     trainers = {}
     for name, overrides in CASES.items():
         cfg = load_config([f"model={args.model}", f"parallel={args.parallel}", f"run.dir={holder[0]}/{len(trainers)}",
-                           "logging.wandb.mode=disabled", *overrides, *args.overrides])
+                           "logging.wandb.mode=disabled", f"train.compile={str(args.compile).lower()}", *overrides,
+                           *args.overrides])
         trainers[name] = Trainer(cfg, info)
-    for trainer in trainers.values():  # warm-up
-        trainer.train_step()
+    # Warm-up; compiled, a second step too: MoE expert sizes change between steps and recompile once with
+    # dynamic shapes.
+    for _ in range(2 if args.compile else 1):
+        for trainer in trainers.values():
+            trainer.train_step()
     times = {name: [] for name in trainers}
     for _ in range(args.rounds):
         for name, trainer in trainers.items():
@@ -53,7 +60,7 @@ def main() -> None:
         t = cfg.train
         print(f"model={args.model} parallel={args.parallel} seq_len={t.seq_len} micro_batch={t.micro_batch} "
               f"global_batch={t.global_batch} rounds={args.rounds} world={info.world_size} "
-              f"threads/rank={torch.get_num_threads()}")
+              f"threads/rank={torch.get_num_threads()} compile={args.compile}")
         base = statistics.median(times["baseline"])
         print(f"{'case':<18}{'step (s)':>10}{'vs baseline':>13}")
         for name, samples in times.items():

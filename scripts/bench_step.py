@@ -1,9 +1,11 @@
 """Forward+backward step time of baseline vs Full vs Block AttnRes in one process.
 
 Variants are interleaved round by round so drift in machine load hits all of them alike; the
-median over rounds is reported with its ratio to the baseline.
+median over rounds is reported with its ratio to the baseline. --compile compiles every variant's
+blocks as train.compile=true does (parallel/compile.py), so the ratios compare compiled to compiled;
+the warm-up step then includes the compile, the timed rounds do not.
 
-    python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8]
+    python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8] [--compile]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import torch
 
 from model import build_model
+from parallel.compile import apply_compile
 from trainer.config import load_config
 
 CASES = {
@@ -31,6 +34,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile=true)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,6 +43,8 @@ def main() -> None:
     for name, overrides in CASES.items():
         torch.manual_seed(0)
         models[name] = build_model(load_config([f"model={args.model}", *overrides]))
+        if args.compile:
+            apply_compile(models[name])
         vocab = models[name].cfg.vocab_size
     tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
@@ -49,8 +55,11 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for model in models.values():  # warm-up
-        step(model)
+    # Warm-up; compiled, a second step too: MoE expert sizes change between steps and recompile once with
+    # dynamic shapes.
+    for _ in range(2 if args.compile else 1):
+        for model in models.values():
+            step(model)
     times = {name: [] for name in models}
     for _ in range(args.rounds):
         for name, model in models.items():
@@ -58,7 +67,7 @@ def main() -> None:
 
     base = statistics.median(times["baseline"])
     print(f"model={args.model} batch={args.batch} seq={args.seq} rounds={args.rounds} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}")
+          f"threads={torch.get_num_threads()} torch={torch.__version__} compile={args.compile}")
     print(f"{'variant':<24}{'step (ms)':>12}{'ratio':>8}")
     for name, samples in times.items():
         median = statistics.median(samples)

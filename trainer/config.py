@@ -52,6 +52,8 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/checkpointing.py)
     compile: bool = False             # torch.compile each transformer block (parallel/compile.py)
     peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)
+    trainable: str = "all"            # all | residual (depth reads only) | norms (RMSNorm gains only); trainer/retrofit.py
+    unfreeze_after: int | None = None  # every parameter trains after this many steps; null: never
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1234
     resume: str = "auto"
+    init_from: str | None = None      # a run or checkpoint whose weights start a fresh run (trainer/retrofit.py)
 
 
 CHOICES = {
@@ -129,6 +132,7 @@ CHOICES = {
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "train.activation_checkpointing": ("none", "full", "selective"),
+    "train.trainable": ("all", "residual", "norms"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),
 }
@@ -257,7 +261,36 @@ def validate(cfg: Config) -> Config:
                               "get no gradient to carry back; set parallel.pp_cache=false")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
+    _validate_throughput_options(cfg)
+    _validate_retrofit_options(cfg)
     return cfg
+
+
+# -- retrofitting (init_from, train.trainable, train.unfreeze_after; trainer/retrofit.py) ----------------
+
+def _validate_retrofit_options(cfg: Config) -> None:
+    t = cfg.train
+    if t.unfreeze_after is not None and t.unfreeze_after < 0:
+        raise ConfigError(f"train.unfreeze_after={t.unfreeze_after} must be a number of steps >= 0 or null")
+    if t.unfreeze_after is not None and t.trainable == "all":
+        raise ConfigError(f"train.unfreeze_after={t.unfreeze_after} needs train.trainable=residual or norms "
+                          "(with all, nothing is frozen)")
+
+
+# -- compiled training, MFU and profiling (train.compile, train.peak_tflops, debug.profile_steps) --------
+
+def _validate_throughput_options(cfg: Config) -> None:
+    t = cfg.train
+    if t.compile and t.activation_checkpointing == "selective":
+        raise ConfigError("train.compile=true with train.activation_checkpointing=selective is not supported: the "
+                          "selective policy picks ops in eager dispatch, which a compiled block bypasses; use full or none")
+    if t.peak_tflops is not None and not 0 < t.peak_tflops < math.inf:
+        raise ConfigError(f"train.peak_tflops={t.peak_tflops!r} must be a positive finite number of TFLOP/s or null")
+    steps = cfg.debug.profile_steps
+    if steps is not None:
+        if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= t.steps:
+            raise ConfigError(f"debug.profile_steps={list(steps)} must be [a, b] with 1 <= a <= b <= "
+                              f"train.steps={t.steps}, or null")
 
 
 def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:

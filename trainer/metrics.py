@@ -205,6 +205,63 @@ def summary_line(record: dict, total_steps: int | None = None, eta_s: float | No
     parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
               f"{record['tokens_per_s']:,.0f} tok/s", f"{record['step_time_s']:.2f} s/step",
               f"mem {record['peak_mem_mb']:,.0f} MB", f"moe imb {record['moe_load_imbalance']:.2f}"]
+    if record.get("tflops") is not None:
+        parts.append(f"{record['tflops']:.3g} TFLOP/s")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
     if eta_s is not None:
         parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+class StepProfiler:
+    """`debug.profile_steps=[a, b]`: a torch.profiler trace of training steps a..b (those of them this
+    launch runs), each inside a `train_step <n>` range, written as a Chrome trace (JSON) to
+    <run.dir>/profile/rank<r>_steps<first>-<last>.json by every rank. Evaluation and checkpoints
+    between the steps are left out of the ranges but not out of the trace."""
+
+    def __init__(self, steps: list[int] | None, directory: Path, rank: int, device: torch.device):
+        self.first, self.last = steps if steps else (None, None)
+        self.directory, self.rank = directory, rank
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile = None
+        self.step_range = None
+        self.steps_covered: list[int] = []
+
+    def _covers(self, step: int) -> bool:
+        return self.first is not None and self.first <= step <= self.last
+
+    def before_step(self, step: int) -> None:
+        if not self._covers(step):
+            return
+        if self.profile is None:
+            self.profile = torch.profiler.profile(activities=self.activities)
+            self.profile.start()
+        self.step_range = torch.profiler.record_function(f"train_step {step}")
+        self.step_range.__enter__()
+        self.steps_covered.append(step)
+
+    def after_step(self, step: int) -> Path | None:
+        """The trace's path once the range's last step is done, else None."""
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        return self.close() if step == self.last else None
+
+    def close(self) -> Path | None:
+        """Stop and write the trace (a temporary file renamed into place); None if nothing was profiled."""
+        if self.profile is None:
+            return None
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        self.profile.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"rank{self.rank}_steps{self.steps_covered[0]}-{self.steps_covered[-1]}.json"
+        temporary = path.with_name(path.name + ".tmp")
+        self.profile.export_chrome_trace(str(temporary))
+        os.replace(temporary, path)
+        self.profile = None
+        return path

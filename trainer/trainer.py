@@ -19,15 +19,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from model import build_model
+from model.flops import training_flops_per_token
+from parallel.compile import apply_compile
 from parallel.dims import DistInfo, build_layout, barrier
-from parallel.parallelize import build_engine, sync_moe_load
+from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
 from trainer.checkpoint import (META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, read_meta,
                                 resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
-from trainer.metrics import MetricsLogger, entropy, peak_memory_mb
+from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
+from trainer.mfu import achieved, device_peak_tflops
 from trainer.lock import RunDirError, disk_full_error, is_disk_full, lock_run_dir
+from trainer import retrofit
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
                            wsd_decay_start)
 
@@ -97,6 +101,7 @@ class Trainer:
         train, parallel = cfg.train, cfg.parallel
         _, self.accumulation = validate_layout(cfg, info.world_size)
         self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep, parallel.fsdp)
+        retrofit.check_layout(train, cfg.init_from, info.world_size, parallel.tp, parallel.fsdp)
         self._check_resume_target()
         self._open_data()
         torch.manual_seed(cfg.seed)  # identical random streams on every rank
@@ -105,9 +110,14 @@ class Trainer:
         self.engine = build_engine(build_model(cfg, device="meta"), info, self.layout, parallel, train.micro_batch,
                                    train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed)
         self.model = self.engine.model
+        if train.compile:
+            apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, train)
         self.sampler = SequenceSampler(len(self.train_data), train.seq_len, cfg.seed)
+        # Once, at start: the FLOPs are a function of the config, the peak of the device.
+        self.flops_per_token = training_flops_per_token(cfg.model, train.seq_len)["total"]
+        self.peak_tflops = device_peak_tflops(info.device, train.peak_tflops)
         self.step = 0
         self.bad_steps_in_row = 0
         self.skipped_steps = 0
@@ -117,8 +127,22 @@ class Trainer:
         self.pre_decay_step = decay_start if train.schedule == "wsd" and 0 < decay_start < train.steps else None
         configured_lrs = list(self.scheduler.base_lrs)  # optim.lr / muon_lr; a resume restores the checkpoint's
         self.resumed_from = self._resume()
+        self._start_retrofit()
         self.resumed_train = self._checkpoint_train_config()
         self._continue_schedule(configured_lrs)
+
+    def _start_retrofit(self) -> None:
+        """init_from on a fresh run only; then the trainable set for the next step (trainer/retrofit.py)."""
+        cfg = self.cfg
+        fresh = self.resumed_from is None and cfg.init_from is not None
+        self.init_checkpoint = retrofit.init_from(self.model, cfg.init_from) if fresh else None
+        self.trainable_counts = retrofit.set_trainable(self.model, cfg.train, self.step)
+
+    def _unfreeze_if_due(self, log: MetricsLogger) -> None:
+        if self.cfg.train.unfreeze_after == self.step and self.cfg.train.trainable != "all":
+            self.trainable_counts = retrofit.set_trainable(self.model, self.cfg.train, self.step)
+            log.print(f"unfreezing at step {self.step} (train.unfreeze_after): "
+                      + retrofit.describe_trainable(*self.trainable_counts, self.cfg.train))
 
     def _check_resume_target(self) -> None:
         existing = latest_checkpoint(self.run_dir)
@@ -154,6 +178,8 @@ class Trainer:
         else:
             path = resolve_checkpoint(resume)  # the user named it: a corrupt one is an error, not skipped
         optimizers = self.optimizer.optimizers
+        # Optimizer state exists for what the checkpoint's last step trained: load into that set.
+        retrofit.set_trainable(self.model, self.cfg.train, max(0, read_meta(path)["step"] - 1))
         extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
                                    fingerprint=self.fingerprint, shards=self.engine.shards,
                                    verify=resume != "auto")
@@ -285,10 +311,16 @@ class Trainer:
         comm_logged = False
         record: dict = {}
         steps_this_launch = 0
+        profiler = StepProfiler(cfg.debug.profile_steps, self.run_dir / "profile", self.info.rank, self.info.device)
         try:
             while self.step < train.steps:
                 self._maybe_crash()
+                self._unfreeze_if_due(log)
+                profiler.before_step(self.step + 1)
                 record = self.train_step()
+                trace = profiler.after_step(self.step)
+                if trace is not None:
+                    log.print(f"profile trace {trace}")
                 self._clear_crash_marker()
                 steps_this_launch += 1
                 if not comm_logged:
@@ -312,6 +344,9 @@ class Trainer:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
         finally:
+            trace = profiler.close()  # a launch stopped inside the range keeps the steps it profiled
+            if trace is not None:
+                log.print(f"profile trace {trace}")
             log.close()
         return record
 
@@ -326,6 +361,12 @@ class Trainer:
                   f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) pp={self.layout.pp} tp={self.layout.tp} "
                   f"ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
+        peak = (f"peak {self.peak_tflops:g} TFLOP/s per rank" if self.peak_tflops is not None
+                else f"peak of {info.device.type} unknown (mfu null; set train.peak_tflops)")
+        log.print(f"model FLOPs: {self.flops_per_token / 1e9:.4g} GFLOP per training token (model/flops.py), {peak}")
+        if self.init_checkpoint is not None:
+            log.print(f"init_from: weights of {self.init_checkpoint}")
+        log.print(retrofit.describe_trainable(*self.trainable_counts, cfg.train))
 
     def _crash_marker(self) -> Path:
         return self.run_dir / f".crash_injected_rank{self.info.rank}"
@@ -380,7 +421,7 @@ class Trainer:
                     p.grad.fill_(float("nan"))
         grad_norm = self.engine.clip_grad_norm(train.grad_clip)
         sync_moe_load(self.model, self.layout)
-        imbalance = self._moe_imbalance(self.model)
+        imbalance = moe_load_imbalance(self.model, self.layout)
         if diagnostics is not None:
             diagnostics = self._diagnostics(self.model, diagnostics)
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -395,23 +436,20 @@ class Trainer:
                                      "from an earlier checkpoint")
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.model.update_moe_bias()
+        retrofit.update_moe_bias(self.model, train, self.step)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         step_time = time.perf_counter() - start
         tokens = train.global_batch * train.seq_len
+        tflops, mfu = achieved(self.flops_per_token, tokens / self.info.world_size, step_time, self.peak_tflops)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens": self.step * tokens, "tokens_per_s": tokens / step_time, "step_time_s": step_time,
+                  "tflops": tflops, "mfu": mfu,
                   "data_time_s": data_time, "peak_mem_mb": peak_memory_mb(self.info.device),
                   "moe_load_imbalance": imbalance, "skipped_steps": self.skipped_steps}
         if diagnostics is not None:
             record["diagnostics"] = {"step": self.step, **diagnostics}
         return record
-
-    @staticmethod
-    def _moe_imbalance(model) -> float:
-        layers = model.moe_layers()
-        return sum(moe.load_imbalance() for moe in layers) / len(layers) if layers else 1.0
 
     def _diagnostics(self, model, recorded: dict) -> dict:
         """Per-sublayer output RMS and depth weights (from the first micro-batch), per-block gradient RMS."""

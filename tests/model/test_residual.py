@@ -164,7 +164,7 @@ def test_sliding_window_sees_embedding_plus_last_sources():
 
 
 def test_input_dependent_query_is_a_scaled_projection_of_the_latest_source():
-    """q_l = W_l RMSNorm(v_{l-1}) / sqrt(d), then the paper's read: Full AttnRes written out naively."""
+    """q_l = W_l RMSNorm(v_{l-1}) / d, then the paper's read: Full AttnRes written out naively."""
     model = make("full", "variant.query=input_dependent")
     with torch.no_grad():
         for read, _ in sublayer_fns(model):
@@ -172,7 +172,7 @@ def test_input_dependent_query_is_a_scaled_projection_of_the_latest_source():
     d = model.cfg.d_model
 
     def read_of(sources, read):
-        query = read.query_proj(read.query_norm(sources[-1])) / d ** 0.5
+        query = read.query_proj(read.query_norm(sources[-1])) / d
         values = torch.stack(sources)                                     # (N, B, T, d)
         scores = (read.key_norm(values) * query).sum(-1)                  # (N, B, T)
         return (torch.softmax(scores, 0).unsqueeze(-1) * values).sum(0)

@@ -214,3 +214,17 @@ def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset
 def test_hc_is_refused_where_its_streams_cannot_go(layout):
     with pytest.raises(ConfigError, match="variant=hc is not supported"):
         load_config(["model=xs", "variant=hc", f"parallel={layout}"])
+
+
+def test_depth_read_flops_count_every_variants_residual_arithmetic():
+    from model.flops import depth_read_flops
+
+    def flops(*overrides):
+        return depth_read_flops(load_config(["model=xs", *overrides]).model)
+
+    L, d = 8, 96
+    assert flops("variant=baseline") == 0
+    assert flops("variant=highway") == L * (2 * d + 3 * d)
+    assert flops("variant=highway", "variant.gate=elementwise") == L * (2 * d * d + 3 * d)
+    assert flops("variant=hc") == flops("variant=mhc") == L * (4 * 4 + 2 * 16) * d
+    assert flops("variant=denseformer") == flops("variant=full") > 0

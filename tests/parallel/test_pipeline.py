@@ -115,7 +115,8 @@ def test_checkpoints_move_between_pp_and_single_process(tmp_path, tiny_dataset):
 
 def metrics(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {key: {r["step"]: r[key] for r in records if key in r} for key in ("loss", "grad_norm", "val_loss")}
+    return {key: {r["step"]: r[key] for r in records if key in r}
+            for key in ("loss", "grad_norm", "val_loss", "moe_load_imbalance")}
 
 
 @pytest.mark.parametrize("layout, nproc, extra", [
@@ -138,7 +139,7 @@ def test_expert_parallel_trains_like_one_process_and_resumes_in_one_process(tmp_
     Trainer(load_config(fast_train_overrides(mesh, tiny_dataset, steps=4, **extra)), init_distributed()).fit()
     reference, found = metrics(straight), metrics(mesh)
     assert sorted(found["loss"]) == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "moe_load_imbalance"):  # the imbalance over every stage's MoE layers
         for step, value in found[key].items():
             assert value == pytest.approx(reference[key][step], rel=1e-5), (key, step)
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)

@@ -1,0 +1,50 @@
+"""train.compile=true: each transformer block compiled (parallel/compile.py) trains with eager's losses,
+in one process and under the pipeline with full activation checkpointing. Inductor's first compile
+takes about a minute on this CPU: two blocks, both dense, keep the graphs few."""
+import json
+
+import pytest
+import torch
+
+from conftest import fast_train_overrides, torchrun
+from parallel.dims import init_distributed
+from trainer.config import ConfigError, load_config
+from trainer.trainer import Trainer
+
+TWO_DENSE_BLOCKS = {"model.n_blocks": 2, "model.n_dense_layers": 2, "train.eval_every": 3, "train.diag_every": 100}
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def test_compiled_blocks_train_with_the_eager_losses(tmp_path, tiny_dataset):
+    for mode in ("false", "true"):
+        overrides = fast_train_overrides(tmp_path / mode, tiny_dataset, steps=3,
+                                         **{**TWO_DENSE_BLOCKS, "train.compile": mode})
+        torch._dynamo.reset()
+        Trainer(load_config(overrides), init_distributed()).fit()
+        if mode == "true":  # one graph per block at least: the blocks really ran compiled
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+    eager, compiled = losses(tmp_path / "false"), losses(tmp_path / "true")
+    assert len(eager) == 3
+    assert compiled == pytest.approx(eager, abs=1e-4)
+
+
+def test_compiled_blocks_under_the_pipeline_with_full_checkpointing_train_with_the_eager_losses(
+        tmp_path, tiny_dataset):
+    runs = {"eager": {}, "compiled": {"train.compile": "true", "train.activation_checkpointing": "full"}}
+    for name, extra in runs.items():
+        result = torchrun(fast_train_overrides(tmp_path / name, tiny_dataset, steps=3,
+                                               **{**TWO_DENSE_BLOCKS, "parallel": "pp2", **extra}), timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert len(eager) == 3
+    assert compiled == pytest.approx(eager, abs=1e-4)
+
+
+def test_compile_with_selective_checkpointing_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^train\.compile=true with train\.activation_checkpointing=selective is "
+                                          r"not supported: .*; use full or none$"):
+        load_config(["train.compile=true", "train.activation_checkpointing=selective"])

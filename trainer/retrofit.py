@@ -1,0 +1,128 @@
+"""AR-Retrofit: start a run from another run's weights (`init_from`) and train only part of the model
+(`train.trainable`, `train.unfreeze_after`).
+
+init_from loads a trained run's model weights into a freshly built model before step 1 (never on resume).
+Every parameter and buffer of the source must exist in the target with the same shape; the target may
+add only depth-read parameters (`*_res.*`, `final_res.*`), which keep their fresh initialisation: zero
+pseudo-queries and unit key-norm gains make every read the uniform average of its sources, which is the
+baseline's running sum divided by the number of sources, and the sublayer's RMSNorm (and the final norm)
+removes that factor. So a baseline loaded into Full or Block AttnRes computes the baseline's function up
+to the norms' eps (tests/trainer/test_retrofit.py measures how far).
+
+Freezing is requires_grad=False: a frozen parameter gets no gradient, and AdamW skips parameters without
+one entirely (no moment update, no weight decay), so it stays bitwise unchanged. The optimizer is built
+over every parameter first, so an unfrozen parameter simply starts getting gradients; its AdamW state
+starts at that step. A checkpoint holds optimizer state only for the parameters that have stepped; the
+trainer sets the trainable set for the checkpoint's step before loading it, so a resume sees the same
+set the saving run had.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model.norms import RMSNorm
+from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from trainer.config import ConfigError, TrainConfig
+
+TRAINABLE = ("all", "residual", "norms")
+
+
+def is_depth_read(name: str) -> bool:
+    """Parameters of an AttnRes depth read (a sublayer's attn_res / mlp_res, or the final read)."""
+    return "_res." in name or name.startswith("final_res.")
+
+
+def _norm_gains(model: nn.Module) -> set[str]:
+    return {f"{module_name}.weight" if module_name else "weight"
+            for module_name, module in model.named_modules() if isinstance(module, RMSNorm)}
+
+
+def selected(model: nn.Module, mode: str) -> set[str]:
+    """Names of the parameters `train.trainable=mode` trains."""
+    names = [name for name, _ in model.named_parameters()]
+    if mode == "all":
+        return set(names)
+    if mode == "residual":
+        return {name for name in names if is_depth_read(name)}
+    gains = _norm_gains(model)
+    return {name for name in names if name in gains}
+
+
+def all_trainable_at(train: TrainConfig, step: int) -> bool:
+    """Whether the optimizer step after `step` completed steps trains every parameter."""
+    return train.trainable == "all" or (train.unfreeze_after is not None and step >= train.unfreeze_after)
+
+
+def set_trainable(model: nn.Module, train: TrainConfig, step: int) -> tuple[int, int]:
+    """requires_grad for the step after `step` completed steps; returns (trainable, total) parameter counts."""
+    keep = None if all_trainable_at(train, step) else selected(model, train.trainable)
+    trainable = total = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(keep is None or name in keep)
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return trainable, total
+
+
+def describe_trainable(trainable: int, total: int, train: TrainConfig) -> str:
+    unfreeze = f", all from step {train.unfreeze_after + 1}" if train.unfreeze_after is not None else ""
+    return (f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%; "
+            f"train.trainable={train.trainable}{unfreeze})")
+
+
+def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp: int, fsdp: int) -> None:
+    """Retrofitting copies whole tensors and freezes by requires_grad: refuse layouts where that is wrong."""
+    if init_from is not None and (tp > 1 or fsdp > 1):
+        raise ConfigError(f"init_from={init_from} loads whole tensors; it is not supported with parallel.tp > 1 "
+                          "or parallel.fsdp > 1 (retrofit on one process or with dp/pp)")
+    if train.trainable != "all" and world_size > 1:
+        raise ConfigError(f"train.trainable={train.trainable} needs a single process (DDP and the sharded engines "
+                          "register their parameters once); use train.trainable=all with more processes")
+
+
+def _source_state(path: Path) -> dict[str, torch.Tensor]:
+    """The source run's model state (parameters and persistent buffers), loaded through the checkpoint loader."""
+    from model import build_model
+    from trainer.trained import run_config
+
+    cfg = run_config(path, read_meta(path))
+    source = build_model(cfg)
+    load_checkpoint(path, source, [], None, rank=0)
+    return source.state_dict()
+
+
+def init_from(model: nn.Module, init_path: str) -> Path:
+    """Copy the weights of `init_path` (a checkpoint or run directory) into `model`; returns the checkpoint."""
+    if not Path(init_path).exists():
+        raise ConfigError(f"init_from={init_path} does not exist; give a run directory or one of its checkpoints")
+    path = resolve_checkpoint(init_path)
+    source = _source_state(path)
+    target = model.state_dict()
+    for name, tensor in source.items():
+        if name not in target:
+            raise CheckpointError(f"init_from={init_path}: {name} of the source does not exist in this model; "
+                                  "the source must be the same model up to the depth reads")
+        if target[name].shape != tensor.shape:
+            raise CheckpointError(f"init_from={init_path}: {name} has shape {tuple(tensor.shape)} in the source and "
+                                  f"{tuple(target[name].shape)} here; the source must be the same model up to the depth reads")
+    added = [name for name in target if name not in source and not is_depth_read(name)]
+    if added:
+        raise CheckpointError(f"init_from={init_path}: this model's {added[0]} is not in the source and is not a "
+                              "depth read (only *_res.* and final_res.* may be new)")
+    with torch.no_grad():
+        for name, tensor in source.items():
+            target[name].copy_(tensor)
+    return path
+
+
+def update_moe_bias(model: nn.Module, train: TrainConfig, step: int) -> None:
+    """The MoE expert bias is part of the frozen backbone's routing: it moves only while every parameter
+    trains (in the optimizer step after `step` completed ones). The load counts restart each step either way."""
+    if all_trainable_at(train, step):
+        model.update_moe_bias()
+        return
+    for moe in model.moe_layers():
+        moe.load_counts.zero_()
