@@ -88,13 +88,18 @@ def summarise(matrices: torch.Tensor, rtol: float) -> dict:
     }
 
 
+def reader_extent(size: int) -> tuple[float, float, float, float]:
+    """imshow extent for an (L+1) x (L+1) M: columns are sources 0..L, rows readers 1..L+1."""
+    return (-0.5, size - 0.5, size + 0.5, 0.5)
+
+
 def plot(summary: dict, title: str, path: Path) -> None:
     from scripts.report.figure import new_figure, save
 
     fig, axes = new_figure(2, width=5.0, height=4.2)
     for ax, key in zip(axes, ("mean", "std")):
         values = [[math.nan if v is None else v for v in row] for row in summary[key]]
-        image = ax.imshow(values, cmap="viridis", interpolation="nearest")
+        image = ax.imshow(values, cmap="viridis", interpolation="nearest", extent=reader_extent(len(values)))
         ax.set(xlabel="source i (0 = embedding)", ylabel="reading sublayer l (last: final read)", title=f"M {key}")
         fig.colorbar(image, ax=ax)
     rank = summary["semiseparable_rank"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
+from scripts.depth_matrix import reader_extent
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group
 from trainer.metrics import entropy
@@ -141,7 +142,8 @@ def matrix_panels(groups: list[Group], path: Path) -> tuple[Path, list[str]] | N
     fig, axes = new_figure(len(found), width=3.6, height=3.3, columns=4)
     rows = []
     for ax, (group, (matrix, summaries)) in zip(axes, found):
-        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest")
+        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest",
+                          extent=reader_extent(len(matrix)))
         ax.set(title=f"{group.size} {group.variant}", xlabel="source i (0: embedding)", ylabel="reader l")
         rank = [s["semiseparable_rank"] for s in summaries]
         entropy_rows = np.mean([s["row_entropy"] for s in summaries], axis=0)
