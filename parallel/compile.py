@@ -10,8 +10,9 @@ and ep dispatch it runs, their functional collectives included.
 One graph per block, not one for all: unlike torchtitan's identical blocks, a block here guards on
 its own position (its sublayer numbers, how many completed blocks the depth state holds, dense or
 MoE, KDA or MLA), so dynamo's recompile limit for the shared `forward` code is raised to cover the
-blocks of every model compiled in the process. Graphs break where a block hands values to the host (the MoE dispatch's per-expert counts,
-diagnostics): the parts around a break are compiled, the break runs eager.
+blocks of every model compiled in the process. Graphs break where a block hands values to the host
+(diagnostics): the parts around a break are compiled, the break runs eager. The MoE expert loop, which
+needs its per-expert counts on the host, runs inside the graph as one opaque op (model/moe.py).
 
 Only training forwards are compiled: evaluation (no autograd) and decoding (a cache) run the eager
 block, which keeps their graphs out of the compile time and the guards.
