@@ -107,7 +107,8 @@ class AttnResidual(ResidualMixer):
     def _run_phase1(self, state: DepthState, sublayer: int) -> None:
         """Batch every query of this block that lives here (a pipeline stage may hold only part of it)."""
         block_end = ((sublayer - 1) // self.block_size + 1) * self.block_size
-        members = [l for l in range(sublayer, min(block_end, self.n_sublayers) + 1) if l in state.reads]
+        members = [l for l in range(sublayer, min(block_end, self.n_sublayers) + 1)
+                   if l in state.reads and l not in state.skipped]
         if sublayer not in state.reads:
             raise KeyError(f"depth read for sublayer {sublayer} is not registered in DepthState.reads")
         reads = [state.reads[l] for l in members]

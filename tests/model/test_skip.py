@@ -108,3 +108,14 @@ def test_cached_decoding_with_skips_matches_the_full_sequence_forward(variant):
         cache = model.new_inference_cache(TOKENS.shape[0], torch.device("cpu"), torch.float32)
         steps = [model(TOKENS[:, t:t + 1], cache=cache, skip=skip) for t in range(TOKENS.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_a_skipped_sublayers_query_is_not_scored_in_its_blocks_batched_read():
+    """Block two-phase: phase 1 batches the queries of a block's sublayers; a skipped one's is left out, so
+    no phase-1 result is computed for it (and none is left behind)."""
+    model = make_model(["variant=block", "variant.block_size=4"])
+    state = model.mixer.start(model.embed(torch.zeros(1, 3, dtype=torch.long)))
+    state.skipped = {2, 6, 7}
+    with torch.no_grad():
+        state = model.forward_layers(state)
+    assert state.phase1 == {}
