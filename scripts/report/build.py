@@ -119,8 +119,8 @@ def matrix_section(groups: list[Group], out_dir: Path) -> list[str]:
     figure, rows = found
     return ["## Depth-mixing matrix M (paper section 6.2)", "",
             "h_l = sum_i M[i->l] v_i: each variant's mean M over validation tokens at its last checkpoint "
-            "(`python -m scripts.depth_matrix`), rows = readers (the last: the final read), columns = "
-            "sources (0: the embedding). Semiseparable rank: the largest numerical rank of a lower-left block "
+            "(`python -m scripts.depth_matrix`), drawn as each read's shares (a row over the sum of its |weights|), "
+            "rows = readers (the last: the final read), columns = sources (0: the embedding). Semiseparable rank: the largest numerical rank of a lower-left block "
             "M[l >= k, i < k] per token (rtol 1e-4); entropy: of each row's |weights| normalised, mean over "
             "reads after the first.", "", image(figure, "depth-mixing matrices"), "",
             "| size | variant | runs | semiseparable rank (mean) | max | row entropy |", "|---|---|---|---|---|---|",

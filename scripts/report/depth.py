@@ -18,6 +18,7 @@ from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group
 from trainer.metrics import entropy
 
+SHARE_SCALE = 0.5  # colour range of the M panel: larger shares (the first reads, one source) saturate
 MAGNITUDE_VARIANTS = ("baseline", "highway", "full", "block", "mhc", "hc")
 
 
@@ -134,15 +135,16 @@ def mean_matrix(group: Group) -> tuple[np.ndarray, list[dict]] | None:
 
 
 def matrix_panels(groups: list[Group], path: Path) -> tuple[Path, list[str]] | None:
-    """Every group's mean M side by side (one colour scale), and a table row per group."""
+    """Every group's mean M side by side as each read's shares (a row divided by the sum of its |weights|,
+    so the baseline's rows are uniform 1/l like an even softmax), and a table row per group."""
     found = [(g, m) for g in groups if (m := mean_matrix(g)) is not None]
     if not found:
         return None
-    top = max(np.nanmax(np.abs(matrix)) for _, (matrix, _) in found)
     fig, axes = new_figure(len(found), width=3.6, height=3.3, columns=4)
     rows = []
     for ax, (group, (matrix, summaries)) in zip(axes, found):
-        image = ax.imshow(matrix, cmap="RdBu_r", vmin=-top, vmax=top, interpolation="nearest",
+        shares = matrix / np.nansum(np.abs(matrix), axis=1, keepdims=True)
+        image = ax.imshow(shares, cmap="RdBu_r", vmin=-SHARE_SCALE, vmax=SHARE_SCALE, interpolation="nearest",
                           extent=reader_extent(len(matrix)))
         ax.set(title=f"{group.size} {group.variant}", xlabel="source i (0: embedding)", ylabel="reader l")
         rank = [s["semiseparable_rank"] for s in summaries]
@@ -150,6 +152,6 @@ def matrix_panels(groups: list[Group], path: Path) -> tuple[Path, list[str]] | N
         rows.append(f"| {group.size} | {group.variant} | {len(summaries)} "
                     f"| {statistics.fmean(r['mean'] for r in rank):.2f} | {max(r['max'] for r in rank)} "
                     f"| {statistics.fmean(entropy_rows[1:]):.3f} |")
-    fig.colorbar(image, ax=axes, shrink=0.6, label="M[i -> l] (mean over tokens and seeds)")
+    fig.colorbar(image, ax=axes, shrink=0.6, label=f"share of the read (M row / sum |M row|), clipped at +-{SHARE_SCALE}")
     fig.savefig(path, dpi=110)
     return path, rows
