@@ -57,15 +57,14 @@ def row_entropy(matrices: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-300).log()).sum(-1)
 
 
-def token_matrices(run, batches: int) -> torch.Tensor:
-    """(N, L+1, L+1) float64: M of every token (and channel group) of the first validation batches."""
+def token_matrices(model, batches) -> torch.Tensor:
+    """(N, L+1, L+1) float64: M of every token (and channel group) of `batches` ((inputs, targets) pairs)."""
     collected = []
     with torch.no_grad():
-        for inputs, _ in run.validation_batches(batches):
+        for inputs, _ in batches:
             trace = DepthTrace()
-            run.model(inputs, trace=trace)
-            m = trace.matrix()                                  # (B, T, G, L+1, L+1)
-            collected.append(m.flatten(0, 2).double())
+            model(inputs, trace=trace)
+            collected.append(trace.matrix().flatten(0, 2).double())  # (B, T, G, L+1, L+1) -> (B*T*G, ...)
     return torch.cat(collected)
 
 
@@ -116,7 +115,7 @@ def depth_matrix(args: DepthMatrixArgs) -> str:
         raise DepthMatrixError(f"rtol={args.rtol} must be in (0, 1)")
     run = load_trained(args.checkpoint)
     out = Path(args.out) if args.out else run.checkpoint.parent.parent / "depth_matrix"
-    summary = summarise(token_matrices(run, args.batches), args.rtol)
+    summary = summarise(token_matrices(run.model, run.validation_batches(args.batches)), args.rtol)
     r = run.cfg.model.residual
     summary.update(checkpoint=str(run.checkpoint), step=run.step, variant=r.variant)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from model.residual import DepthTrace
 from parallel.parallelize import cross_entropy
+from scripts.depth_matrix import token_matrices
 from trainer.checkpoint import CheckpointError
 from trainer.export import parse_key_values, run_cli
 from trainer.trained import load_trained
@@ -57,16 +57,6 @@ def importance(matrices: torch.Tensor) -> list[float]:
     """(N, L+1, L+1) depth-mixing matrices (row l-1 = the read before sublayer l) -> I_1 .. I_L."""
     # Column i holds v_i's weights; the reads after sublayer i are rows i .. L (sublayers i+1 .. L+1).
     return [matrices[:, i:, i].sum(-1).mean().item() for i in range(1, matrices.shape[-1])]
-
-
-def depth_matrices(model, batches) -> torch.Tensor:
-    collected = []
-    with torch.no_grad():
-        for inputs, _ in batches:
-            trace = DepthTrace()
-            model(inputs, trace=trace)
-            collected.append(trace.matrix().flatten(0, 2).double())  # (B*T*G, L+1, L+1)
-    return torch.cat(collected)
 
 
 def skip_orders(scores: list[float], seeds: int) -> dict[str, list[list[int]]]:
@@ -149,7 +139,7 @@ def run_reskip(args: ReSkipArgs) -> dict:
     n_sublayers = run.cfg.model.n_sublayers
     ks = parse_ks(args.ks, n_sublayers)
     batches = run.validation_batches(args.batches)
-    scores = importance(depth_matrices(run.model, batches))
+    scores = importance(token_matrices(run.model, batches))
     orders = skip_orders(scores, args.random_seeds)
     results = {name: [] for name in orders}
     for k in ks:
