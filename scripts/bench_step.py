@@ -6,6 +6,7 @@ blocks as train.compile=true does (parallel/compile.py), so the ratios compare c
 the warm-up step then includes the compile, the timed rounds do not.
 
     python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8] [--compile]
+                                 [--variants baseline,block]
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from trainer.config import load_config
 CASES = {
     "baseline": ["variant=baseline"],
     "full": ["variant=full"],
-    "block (two-phase)": ["variant=block", "variant.two_phase=true"],
-    "block (per-layer read)": ["variant=block", "variant.two_phase=false"],
+    "block": ["variant=block", "variant.two_phase=true"],
+    "block-per-layer-read": ["variant=block", "variant.two_phase=false"],
 }
 
 
@@ -35,12 +36,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile=true)")
+    parser.add_argument("--variants", default=",".join(CASES),
+                        help=f"comma-separated subset of {', '.join(CASES)} (the baseline is always timed)")
     args = parser.parse_args()
+    variants = ["baseline"] + [v for v in args.variants.split(",") if v != "baseline"]
+    unknown = [v for v in variants if v not in CASES]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(CASES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     models, tokens = {}, None
-    for name, overrides in CASES.items():
+    for name in variants:
+        overrides = CASES[name]
         torch.manual_seed(0)
         models[name] = build_model(load_config([f"model={args.model}", *overrides]))
         if args.compile:
