@@ -12,17 +12,17 @@ optimizer then steps on this rank's shards only. Under pp each pipeline chunk is
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.decoder import Decoder
-from model.init import materialise
 from model.layer import TransformerBlock
 from parallel.dims import DistInfo, Layout
 from parallel.expert import expert_param_names
+from parallel.fill import fill_shards
 from parallel.parallelize import (_all_reduce, clip_grad_norm, cross_entropy, finish_gradients, rank_share,
                                   shard_model)
 
@@ -87,32 +87,6 @@ def shard_pipeline_chunks(chunks: list[nn.Module], rank_model: Decoder, template
         fill_shards(rank_model, template, seed)
 
 
-def fill_shards(sharded: nn.Module, template: nn.Module, seed: int, slice_of=None) -> None:
-    """Initialise a fully_shard-ed model allocated with to_empty from `template`, an unsharded meta copy:
-    the template is materialised on the host one init unit at a time (model.init.materialise), and
-    each full parameter leaves only this rank's shard behind, so a rank holds its shards plus one unit
-    and starts from exactly the weights one process has for the same seed. A parameter FSDP left
-    plain takes `slice_of(name, full)` (its ep slice), or the full tensor without one."""
-    params = dict(sharded.named_parameters())
-
-    def keep_shard(name: str, full: torch.Tensor) -> torch.Tensor:
-        param = params[name]
-        # Every rank computes the same full tensor, so each takes its own chunk without communication.
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        else:
-            shard = slice_of(name, full) if slice_of is not None else full
-        with torch.no_grad():
-            param.copy_(shard)  # same placements: a local copy
-        return torch.empty_like(full, device="meta")
-
-    materialise(template, "cpu", template.cfg.init_stds, seed, place=keep_shard)
-    buffers = dict(sharded.named_buffers())
-    with torch.no_grad():
-        for name, buffer in template.named_buffers():  # not sharded: each rank holds them whole
-            buffers[name].copy_(buffer)
-
-
 class FullyShardedEngine:
     """pp == tp == 1 (PipelineEngine shards its chunks itself; tp is refused with fsdp). `model` is the
     fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
@@ -133,11 +107,7 @@ class FullyShardedEngine:
         self.model = apply_fsdp(model, layout, info.device, ignored)
         if template is not None:
             self.model.to_empty(device=info.device)
-            fill_shards(self.model, template, seed, slice_of=self._expert_slice)
-
-    def _expert_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        dim, _ = self.shards.dims[name]
-        return full.chunk(self.layout.ep, dim)[self.layout.ep_rank]
+            fill_shards(self.model, template, seed, slice_of=functools.partial(self.shards.local_slice, layout=layout))
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """Mean loss of the step over all tokens of all ranks (FSDP averages gradients over the data ranks)."""

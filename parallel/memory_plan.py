@@ -295,7 +295,7 @@ class Plan:
     optimizer_step_bytes: float = 0    # AdamW temporaries (after backward)
     runtime_bytes: float = 0           # CPU: the Python/torch process itself
     stage: int = 0                     # the pipeline rank planned (the largest)
-    host_start_bytes: float = 0        # host RAM per rank at start-up (tp/ep: the stage built whole in fp32)
+    host_start_bytes: float = 0        # host RAM per rank at start-up: one init unit drawn in fp32 (bounded by the largest unit)
     activations_by_mode: dict = field(default_factory=dict)
 
     @property
@@ -360,8 +360,7 @@ def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int
             if cuda:
                 p.autocast_copy_bytes = 2 * count.rank
         p.optimizer_step_bytes = 4 * state if cuda else 0
-        if (layout.tp > 1 or layout.ep > 1) and shard == 1:  # parallelize.materialise_and_shard
-            p.host_start_bytes = 4 * count.stage
+        p.host_start_bytes = 4 * count.largest_unit  # parallel.fill: one init unit at a time, every layout
         p.activations_by_mode = {m: sum(v.values()) * flight for m, v in per_mode.items()}
         p.activation_per_microbatch = sum(per_mode[mode].values())
         p.activation_bytes = p.activation_per_microbatch * flight

@@ -27,6 +27,7 @@ from model.init import materialise
 from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
+from parallel.fill import fill_shards
 from parallel.tensor import Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads
 
 
@@ -62,11 +63,17 @@ def shard_model(model: Decoder, layout: Layout) -> Shards:
 
 
 def materialise_and_shard(model: Decoder, info: DistInfo, layout: Layout, seed: int) -> Shards:
-    """Allocate and initialise what is still on the meta device (model.init.materialise), then split for
-    tp and ep. Those slice whole modules, so under them the model is materialised on the host and the
-    engine moves the slices to the device, as before; otherwise it goes straight to the device."""
-    sliced = layout.tp > 1 or layout.ep > 1
-    materialise(model, torch.device("cpu") if sliced else info.device, model.cfg.init_stds, seed)
+    """Split the model for tp and ep and give it its initial weights on the device. A model wholly on
+    the meta device is sliced there first, then filled from an unsliced meta copy one init unit at a
+    time (parallel.fill), so the host never holds more than one unit beyond this rank's slices; a model
+    already (partly) built is completed on the host (model.init.materialise) and sliced as it is."""
+    if all(p.is_meta for p in model.parameters()):
+        template = copy.deepcopy(model)  # meta: costs nothing
+        shards = shard_model(model, layout)
+        model.to_empty(device=info.device)
+        fill_shards(model, template, seed, slice_of=functools.partial(shards.local_slice, layout=layout))
+        return shards
+    materialise(model, "cpu", model.cfg.init_stds, seed)
     return shard_model(model, layout)
 
 

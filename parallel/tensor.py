@@ -46,6 +46,14 @@ class Shards:
     def kind(self, name: str) -> str | None:
         return self.dims[name][1] if name in self.dims else None
 
+    def local_slice(self, name: str, full: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's part of `full`, the whole parameter `name`, as `add` cut it (all of a replicated one)."""
+        if name not in self.dims:
+            return full
+        dim, kind = self.dims[name]
+        rank, size = (layout.tp_rank, layout.tp) if kind == "tp" else (layout.ep_rank, layout.ep)
+        return full.chunk(size, dim)[rank]
+
     def to_checkpoint(self, state: dict) -> dict:
         """Wrap the slices in a {"model": ..., "optim": ...} state (parameters and their optimizer
         moments) as DTensors, so DCP saves whole tensors that load into any tp/ep layout."""

@@ -106,8 +106,8 @@ def report(p: Plan, budget: float, gpu_bytes: float, headroom: float, refused: s
         lines.append(f"  process runtime        {gib(p.runtime_bytes)}  (measured: python + torch + model code)")
     lines.append(f"  total                  {gib(p.total_bytes)}")
     if p.host_start_bytes:
-        lines.append(f"  host RAM at start-up   {gib(p.host_start_bytes)} per rank (tp/ep build the stage whole in "
-                     "fp32 on the host before slicing)")
+        lines.append(f"  host RAM at start-up   {gib(p.host_start_bytes)} per rank (at most one unit drawn in fp32 on "
+                     "the host while the initial weights are filled)")
     verdict = "fits" if p.total_bytes <= budget else "does not fit"
     lines.append(f"{verdict}: {p.total_bytes / GIB:.2f} GiB of {budget / GIB:.2f} GiB usable "
                  f"({gpu_bytes / GIB:.0f} GiB less {headroom:.0%} headroom for fragmentation and NCCL buffers)")
@@ -135,7 +135,7 @@ def run_plan(args, overrides: list[str]) -> None:
               f"at start-up)")
         print(f"{'layout':<28} {'ckpt':<10} {'total GiB':>9} {'host GiB':>8}  trainer today")
         for p, refused in found[:args.top]:
-            print(f"{p.layout.name():<28} {p.mode:<10} {p.total_bytes / GIB:9.2f} {p.host_start_bytes / GIB:8.0f}  "
+            print(f"{p.layout.name():<28} {p.mode:<10} {p.total_bytes / GIB:9.2f} {p.host_start_bytes / GIB:8.1f}  "
                   f"{'runs' if refused is None else 'refused: ' + refused}")
         return
     p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
