@@ -9,6 +9,8 @@ Constructing a Decoder does not initialise it (on the meta device it allocates n
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -60,13 +62,24 @@ class Decoder(nn.Module):
         if trace is not None:
             self.mixer.start_trace(state, trace, embedding)
         state = self.forward_layers(state, cache)
-        return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
+        return self.read_out(state)
 
-    def forward_layers(self, state: DepthState, cache: dict[int, object] | None = None) -> DepthState:
-        state.reads = self.depth_reads()
-        for block in self.layers.values():
+    def forward_layers(self, state: DepthState, cache: dict[int, object] | None = None,
+                       blocks: Iterable[TransformerBlock] | None = None) -> DepthState:
+        """Run `blocks` (default: all of this module's) in order over the depth state: the whole model, or
+        the consecutive blocks of one pipeline chunk (parallel/pipeline/stage.py runs its chunks here)."""
+        blocks = list(self.layers.values() if blocks is None else blocks)
+        state.reads = {}
+        for block in blocks:
+            state.reads[block.attn_sublayer] = block.attn_res
+            state.reads[block.attn_sublayer + 1] = block.mlp_res
+        for block in blocks:
             state = block(state, self.mixer, None if cache is None else cache[block.index])
         return state
+
+    def read_out(self, state: DepthState) -> torch.Tensor:
+        """The final depth read, norm and head: logits (B, T, vocab)."""
+        return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
 
     def new_inference_cache(self, batch: int, device, dtype) -> dict[int, object]:
         """Per-block decoding caches. Depth attention mixes within one token, so nothing else is kept."""

@@ -59,22 +59,17 @@ class PipelineChunk(nn.Module):
         self.plan, self.chunk, self.cache = plan, chunk, cache
         self.is_first, self.is_last = chunk == 0, chunk == plan.n_chunks - 1
         self.mixer = rank_model.mixer
+        # The chunk's parameters are registered here (the stage module); the forward is the Decoder's own,
+        # over this chunk's blocks, so the rank model is kept without registering it a second time.
+        self.__dict__["decoder"] = rank_model
         self.embed = rank_model.embed if self.is_first else None
         self.layers = nn.ModuleDict({str(i): rank_model.layers[str(i)] for i in plan.chunk_blocks[chunk]})
         if self.is_last:
             self.final_res, self.norm, self.lm_head = rank_model.final_res, rank_model.norm, rank_model.lm_head
 
     def forward(self, *message: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        state = self._unpack(message)
-        state.reads = {}
-        for block in self.layers.values():
-            state.reads[block.attn_sublayer] = block.attn_res
-            state.reads[block.attn_sublayer + 1] = block.mlp_res
-        for block in self.layers.values():
-            state = block(state, self.mixer)
-        if self.is_last:
-            return self.lm_head(self.norm(self.mixer.final(state, self.final_res)))
-        return self._pack(state)
+        state = self.decoder.forward_layers(self._unpack(message), blocks=self.layers.values())
+        return self.decoder.read_out(state) if self.is_last else self._pack(state)
 
     def _unpack(self, message: tuple[torch.Tensor, ...]) -> DepthState:
         if self.is_first:
