@@ -69,10 +69,7 @@ class Decoder(nn.Module):
         """Run `blocks` (default: all of this module's) in order over the depth state: the whole model, or
         the consecutive blocks of one pipeline chunk (parallel/pipeline/stage.py runs its chunks here)."""
         blocks = list(self.layers.values() if blocks is None else blocks)
-        state.reads = {}
-        for block in blocks:
-            state.reads[block.attn_sublayer] = block.attn_res
-            state.reads[block.attn_sublayer + 1] = block.mlp_res
+        state.reads = self.depth_reads(blocks)
         for block in blocks:
             state = block(state, self.mixer, None if cache is None else cache[block.index])
         return state
@@ -85,10 +82,11 @@ class Decoder(nn.Module):
         """Per-block decoding caches. Depth attention mixes within one token, so nothing else is kept."""
         return {block.index: block.new_cache(batch, device, dtype) for block in self.layers.values()}
 
-    def depth_reads(self) -> dict[int, nn.Module]:
-        """Sublayer -> depth-read parameters, for the blocks present in this module."""
+    @staticmethod
+    def depth_reads(blocks: list[TransformerBlock]) -> dict[int, nn.Module]:
+        """Sublayer -> depth-read parameters of `blocks`."""
         reads = {}
-        for block in self.layers.values():
+        for block in blocks:
             reads[block.attn_sublayer] = block.attn_res
             reads[block.attn_sublayer + 1] = block.mlp_res
         return reads
