@@ -18,16 +18,18 @@ def fill_shards(sharded: nn.Module, template: nn.Module, seed: int, slice_of=Non
     the template is materialised on the host one init unit at a time (model.init.materialise), and
     each full parameter leaves only this rank's shard behind, so a rank holds its shards plus one unit
     and starts from exactly the weights one process has for the same seed. A plain parameter (no FSDP,
-    or one FSDP left out) takes `slice_of(name, full)` (its tp/ep slice), or the full tensor without one."""
+    or one FSDP left out) takes `slice_of(name, full)` (its tp/ep slice), or the full tensor without one;
+    an FSDP shard is this rank's chunk of that slice (fsdp x tp)."""
     params = dict(sharded.named_parameters())
 
     def keep_shard(name: str, full: torch.Tensor) -> torch.Tensor:
         param = params[name]
+        part = slice_of(name, full) if slice_of is not None else full  # the tp/ep slice FSDP then shards
         # Every rank computes the same full tensor, so each takes its own chunk without communication.
         if isinstance(param, DTensor):
-            shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            shard = distribute_tensor(part.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
         else:
-            shard = slice_of(name, full) if slice_of is not None else full
+            shard = part
         with torch.no_grad():
             param.copy_(shard)  # same placements: a local copy
         return torch.empty_like(full, device="meta")

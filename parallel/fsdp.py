@@ -23,8 +23,7 @@ from model.layer import TransformerBlock
 from parallel.dims import DistInfo, Layout
 from parallel.expert import expert_param_names
 from parallel.fill import fill_shards
-from parallel.parallelize import (_all_reduce, clip_grad_norm, cross_entropy, finish_gradients, rank_share,
-                                  shard_model)
+from parallel.parallelize import DataParallelEngine, shard_model
 
 
 def shard_units(model: Decoder) -> list[list[TransformerBlock]]:
@@ -87,20 +86,21 @@ def shard_pipeline_chunks(chunks: list[nn.Module], rank_model: Decoder, template
         fill_shards(rank_model, template, seed)
 
 
-class FullyShardedEngine:
-    """pp == tp == 1 (PipelineEngine shards its chunks itself; tp is refused with fsdp). `model` is the
-    fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
-    DTensors. Under ep the routed experts are ep slices left out of fully_shard (plain tensors, whole
-    on the fsdp ranks of one ep index, their gradients averaged over those ranks after the step as
-    under DDP); every other parameter is sharded over fsdp and replicated over all dp ranks (HSDP).
-    A model on the meta device is sharded first and then filled shard by shard (fill_shards); a built
-    one is sharded as it is."""
+class FullyShardedEngine(DataParallelEngine):
+    """pp == 1 (PipelineEngine shards its chunks itself). `model` is the fully_shard-ed Decoder, whose
+    parameters (and so its optimizer state and checkpoint entries) are DTensors. Under tp FSDP shards
+    each rank's tp slices over the fsdp ranks of its tp index (the tp peers run their sequence slices,
+    as under DDP). Under ep the routed experts are ep slices left out of fully_shard (plain tensors,
+    whole on the fsdp ranks of one ep index, their gradients averaged over those ranks after the step
+    as under DDP); every other parameter is sharded over fsdp and replicated over all dp ranks (HSDP).
+    A model on the meta device is sliced and sharded first and then filled shard by shard
+    (fill_shards); a built one is sharded as it is."""
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
         self.info, self.layout = info, layout
         on_meta = any(p.is_meta for p in model.parameters())
         template = copy.deepcopy(model) if on_meta else None  # meta: costs nothing
-        # The ep slices (checkpoints place them on the mesh); DCP handles FSDP's DTensors itself.
+        # The tp/ep slices (checkpoints place them on the mesh); DCP handles FSDP's DTensors itself.
         self.shards = shard_model(model if on_meta else model.to(info.device), layout)
         experts = set(expert_param_names(self.shards))
         ignored = {p for name, p in model.named_parameters() if name in experts}
@@ -108,37 +108,7 @@ class FullyShardedEngine:
         if template is not None:
             self.model.to_empty(device=info.device)
             fill_shards(self.model, template, seed, slice_of=functools.partial(self.shards.local_slice, layout=layout))
+        # Steps and evaluation are DataParallelEngine's: FSDP's reduce-scatter averages over the data
+        # ranks, and every forward all-gathers from the other shards.
+        self.wrapped, self.grads_dp_averaged, self.lockstep = self.model, True, True
 
-    def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
-        """Mean loss of the step over all tokens of all ranks (FSDP averages gradients over the data ranks)."""
-        total = torch.zeros((), device=self.info.device)
-        for index, (inputs, targets) in enumerate(micro_batches):
-            with autocast():
-                logits = self.model(inputs, diagnostics=diagnostics if index == 0 else None)
-            loss = cross_entropy(logits, targets)
-            ((loss + self.model.aux_loss().to(loss.device)) / len(micro_batches)).backward()
-            total += loss.detach()
-        finish_gradients(self.model, self.layout, self.shards, dp_averaged=True)  # the experts, under ep
-        return _all_reduce(total / len(micro_batches), self.layout.dp_group) / self.layout.dp
-
-    @torch.no_grad()
-    def evaluate(self, batches, autocast) -> tuple[float, int]:
-        """(sum of loss * tokens, tokens) over this rank's share of the batches. Every forward gathers
-        parameters from the other shards, so all ranks run the same number of forwards: a rank with no
-        batch left in the last round runs one anyway and does not count it."""
-        self.model.eval()
-        loss_sum, tokens = 0.0, 0
-        for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=True):
-            with autocast():
-                loss = cross_entropy(self.model(inputs), targets).item()
-            if counted:
-                loss_sum += loss * targets.numel()
-                tokens += targets.numel()
-        self.model.train()
-        return loss_sum, tokens
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, max_norm, self.layout, self.shards)
-
-    def comm_report(self) -> dict | None:
-        return None

@@ -14,8 +14,8 @@ Bytes per parameter (what the code does):
     (16 per parameter, bf16 autocast copies 2). Under pp (shard_pipeline_chunks) parameters stay
     gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
     whole stage gathered plus its unsharded fp32 gradients for the step.
-  Host memory at start-up: under tp or ep (without fsdp) parallel/parallelize.py materialises the rank's
-    whole pipeline stage in fp32 on the host before slicing it (4 bytes per parameter of the stage).
+  Host memory at start-up: every layout slices/shards on the meta device and draws the initial weights
+    one init unit at a time on the host (parallel/fill.py): 4 bytes per parameter of the largest unit.
   The AdamW step (fused=False: foreach on CUDA) needs one fp32 temporary as large as the rank's
     parameters on CUDA and one parameter's on CPU; it runs after backward, when activations are gone.
 

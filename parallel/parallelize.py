@@ -92,11 +92,16 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
 
 
 class DataParallelEngine:
+    """pp == 1, fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. `wrapped` is what
+    runs the forward; `grads_dp_averaged`: the backward averages gradients over the data ranks itself;
+    `lockstep`: a forward talks to other data ranks, so evaluation keeps every rank running."""
+
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
         self.info, self.layout = info, layout
         self.shards = materialise_and_shard(model, info, layout, seed)
         self.model = model.to(info.device)
         self.wrapped = model
+        self.lockstep = layout.ep > 1
         if layout.dp > 1:
             device_ids = [info.device.index] if info.device.type == "cuda" else None
             # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
@@ -105,6 +110,7 @@ class DataParallelEngine:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(self.shards))
             self.wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=layout.dp_group,
                                                    forward_sync_buffers=False)
+        self.grads_dp_averaged = self.wrapped is not self.model
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """Mean loss of the step over all tokens of all ranks. Under tp every rank runs its slice of
@@ -121,7 +127,7 @@ class DataParallelEngine:
                 loss = cross_entropy(logits, targets)
                 ((loss + self.model.aux_loss().to(loss.device)) / (len(micro_batches) * tp)).backward()
             total += loss.detach()
-        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.wrapped is not self.model)
+        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.grads_dp_averaged)
         total = _all_reduce(total / (len(micro_batches) * tp), self.layout.tp_group)
         return _all_reduce(total, self.layout.dp_group) / self.layout.dp
 
@@ -130,7 +136,7 @@ class DataParallelEngine:
         """(sum of loss * tokens, tokens) over this rank's share of the batches."""
         self.model.eval()
         loss_sum, tokens = 0.0, 0
-        for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=self.layout.ep > 1):
+        for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=self.lockstep):
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             with autocast():
                 logits = self.model(inputs)
@@ -254,9 +260,9 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
             continue
         grads.append(p.grad)
         grad, kind = p.grad.detach(), shards.kind(name)
-        if isinstance(grad, DTensor):
+        if isinstance(grad, DTensor):  # FSDP's shard: of a tp slice too under fsdp x tp
             kind = tuple(dim for dim, placement in zip(grad.device_mesh.mesh_dim_names, grad.placements)
-                         if placement.is_shard())
+                         if placement.is_shard()) + (("tp",) if kind == "tp" else ())
             grad = grad.to_local()
         squares[kind] = squares.get(kind, torch.zeros((), device=device)) + grad.float().pow(2).sum()
     local = (squares.pop(None) + _all_reduce(squares.pop("tp"), layout.tp_group)

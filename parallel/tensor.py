@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # private: pinned torch (pyproject)
 
 from model.decoder import Decoder
 from model.kda import KimiDeltaAttention
@@ -34,6 +36,7 @@ class Shards:
     """Which parameters are split across ranks: name -> (dim, mesh dimension "tp" or "ep")."""
     dims: dict[str, tuple[int, str]] = field(default_factory=dict)
     mesh: object | None = None  # the layout's DeviceMesh; checkpoints place the slices on it
+    _fsdp_shards: dict = field(default_factory=dict)  # to_checkpoint's (fsdp, tp) DTensors -> FSDP's shards
 
     def add(self, module: nn.Module, prefix: str, name: str, dim: int, kind: str, rank: int, size: int) -> None:
         """Replace module.<name> by this rank's slice along dim."""
@@ -57,14 +60,18 @@ class Shards:
     def to_checkpoint(self, state: dict) -> dict:
         """Wrap the slices in a {"model": ..., "optim": ...} state (parameters and their optimizer
         moments) as DTensors, so DCP saves whole tensors that load into any tp/ep layout."""
+        self._fsdp_shards = {}
         if not self.dims:
             return state
-        from torch.distributed.tensor import DTensor, Shard
 
         def place(name: str, value):
             if name not in self.dims or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 return value
             dim, kind = self.dims[name]
+            if isinstance(value, DTensor):  # FSDP's shard of a tp slice: one DTensor over (fsdp, tp)
+                placed = self._fsdp_and_tp(value, dim)
+                self._fsdp_shards[id(placed)] = value
+                return placed
             return DTensor.from_local(value, self.mesh[kind], [Shard(dim)], run_check=False)
 
         state["model"] = {name: place(name, value) for name, value in state["model"].items()}
@@ -73,13 +80,25 @@ class Shards:
                                        for name, moments in state["optim"]["state"].items()}
         return state
 
+    def _fsdp_and_tp(self, shard: DTensor, dim: int) -> DTensor:
+        """`shard` (FSDP's, rows of this rank's tp slice) as a DTensor of the whole parameter over the
+        (fsdp, tp) mesh, sharing its storage. FSDP cut the tp slice along dim 0: when tp cut dim 0
+        too, fsdp's chunks lie inside each tp slice (tp outer), which DTensor calls a strided shard."""
+        shape = list(shard.shape)  # the tp slice
+        shape[dim] *= self.mesh["tp"].size()
+        fsdp_placement = _StridedShard(0, split_factor=self.mesh["tp"].size()) if dim == 0 else Shard(0)
+        return DTensor.from_local(shard.to_local(), self.mesh["fsdp", "tp"], [fsdp_placement, Shard(dim)],
+                                  run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
     def from_checkpoint(self, state: dict) -> dict:
-        """Undo to_checkpoint after DCP has loaded into the DTensors: back to this rank's slices."""
+        """Undo to_checkpoint after DCP has loaded into the DTensors: back to this rank's slices (FSDP's
+        shards of them under fsdp x tp, which the (fsdp, tp) DTensors were loaded into in place)."""
         if not self.dims:
             return state
-        from torch.distributed.tensor import DTensor
 
         def local(name: str, value):
+            if id(value) in self._fsdp_shards:
+                return self._fsdp_shards[id(value)]
             # Only the slices: FSDP's own DTensors (fsdp x ep) stay DTensors for set_state_dict.
             return value.to_local() if name in self.dims and isinstance(value, DTensor) else value
 
@@ -169,14 +188,17 @@ def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> Non
 
 
 def reduce_replicated_grads(model: nn.Module, shards: Shards, group) -> None:
-    """Sum over the tp group the gradients of every parameter not split by tp (coalesced)."""
+    """Sum over the tp group the gradients of every parameter not split by tp (coalesced). Under fsdp x tp
+    a gradient is FSDP's DTensor shard: the tp peers hold the same chunk of a replicated parameter (the
+    same fsdp index), so their local shards are summed."""
     if group is None or dist.get_world_size(group) == 1:
         return
     params = [p for name, p in model.named_parameters() if shards.kind(name) != "tp"]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
-    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(chunk.view_as(p.grad))
+    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(chunk.view_as(grad))

@@ -5,7 +5,7 @@ line per case, a CONTROL line (gradients summed instead of averaged over the dat
 On 4 ranks a PIPELINE line: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatters it counts.
 
     torchrun --nproc-per-node 2 tests/parallel/fsdp_parity_worker.py      # fsdp=2
-    torchrun --nproc-per-node 4 tests/parallel/fsdp_parity_worker.py      # dp=2 x fsdp=2 (HSDP)
+    torchrun --nproc-per-node 4 tests/parallel/fsdp_parity_worker.py      # dp=2 x fsdp=2 (HSDP), fsdp=2 x tp=2
 """
 import contextlib
 import json
@@ -29,12 +29,21 @@ CASES = {
     # block_size 4 and 3: AttnRes blocks span 2 and 3 transformer blocks (units of 2 and 3 blocks)
     2: [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s}
         for v, s in (("baseline", 2), ("full", 1), ("block", 2), ("block", 4), ("block", 3), ("mhc", 2))],
-    4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}],
+    # fsdp=2 x tp=2: FSDP shards of tp slices (block_size 4: units of 2 blocks)
+    4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}]
+       + [{"dp": 1, "fsdp": 2, "tp": 2, "variant": v, "block_size": s} for v, s in (("baseline", 2), ("block", 4))],
 }
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def whole(tensor: torch.Tensor, name: str | None = None, engine=None) -> torch.Tensor:
+    """The whole parameter (or gradient) from FSDP's shards and, for a tp slice, from the tp peers' slices."""
+    tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if engine is None or engine.shards.kind(name) != "tp":
+        return tensor
+    group = engine.layout.tp_group
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=engine.shards.dims[name][0])
 
 
 def local_bytes(tensors) -> int:
@@ -70,13 +79,14 @@ def run_case(case: dict, info: DistInfo) -> dict:
     reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
     reference_load = [moe.load_counts.clone() for moe in reference.moe_layers()]
 
-    layout = build_layout(info, case["dp"], 1, 1, 1, case["fsdp"])
-    parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"])
+    tp = case.get("tp", 1)
+    layout = build_layout(info, case["dp"], 1, tp, 1, case["fsdp"])
+    parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"], tp=tp)
     # Built on meta and filled shard by shard (parallel.fsdp.fill_shards): one process's initial weights.
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
                           seed=cfg.seed)
     reference_params = dict(reference.named_parameters())
-    init_error = max((whole(p.detach()) - reference_params[name].detach()).abs().max().item()
+    init_error = max((whole(p.detach(), name, engine) - reference_params[name].detach()).abs().max().item()
                      for name, p in engine.model.named_parameters())
     mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, contextlib.nullcontext, None)
@@ -87,7 +97,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
 
     worst, worst_name = 0.0, ""
     for name, p in engine.model.named_parameters():
-        error = (whole(p.grad) - reference_grads[name]).abs().max().item()
+        error = (whole(p.grad, name, engine) - reference_grads[name]).abs().max().item()
         if error > worst:
             worst, worst_name = error, name
 

@@ -33,7 +33,7 @@ def launch_worker(nproc: int) -> dict[str, list[dict]]:
     return lines
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 6), (4, 1)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 6), (4, 3)])
 def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases):
     lines = launch_worker(nproc)
     cases, (control,), (usage,) = lines["CASE"], lines["CONTROL"], lines["MEMORY"]
@@ -127,7 +127,6 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, 
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["parallel=fsdp2", "parallel.tp=2"], "parallel.fsdp=2 with parallel.tp=2 is not composed yet"),
     (["parallel=fsdp2", "parallel.pp=2", "parallel.ep=2"],
      "parallel.fsdp=2 with parallel.pp=2 and parallel.ep=2 is not composed yet"),
     (["parallel=fsdp2", "parallel.tp=2", "parallel.ep=2"],
@@ -181,12 +180,15 @@ def test_dp2_fsdp2_trains_like_one_process(tmp_path, tiny_dataset):
 @pytest.mark.parametrize("layout, extra", [
     ("fsdp2_pp2", {"train.global_batch": 8}),
     ("fsdp2_ep2", {"train.micro_batch": 1}),
+    ("fsdp2_tp2", {}),
 ])
 def test_fsdp_composed_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset, layout,
                                                                               extra):
     """4 ranks. fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2
     chunks per rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts
-    are split in two, every other parameter sharded over 2 ranks. Stopped after 3 steps the run
+    are split in two, every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated
+    parameters) sharded over the 2 fsdp ranks of each tp index; checkpoints hold them as DTensors over
+    (fsdp, tp), strided where both cut dim 0. Stopped after 3 steps the run
     resumes in one process, and a single-process checkpoint resumes under the layout; both have one
     process's losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
     extra = {**extra, "train.grad_clip": 1.0}  # norms 1.4-3.3: clipped from step 1

@@ -1,0 +1,87 @@
+"""Host memory while one tp/ep rank gets its initial weights: sliced on meta and filled one init unit at
+a time (parallel.parallelize.materialise_and_shard, what every layout does) vs built whole on the host
+and sliced afterwards (what it did before).
+
+Each measurement is a fresh process (ru_maxrss is a per-process high-water mark) that first
+materialises model=xs once, so the allocator's and torch's one-time start-up costs are paid before
+the RSS baseline is read, and that runs with MALLOC_MMAP_THRESHOLD_ fixed so freed blocks leave the
+RSS instead of staying in glibc's heap. `growth` is the peak RSS minus the RSS before the model is
+given weights; `keeps` is the fp32 bytes of the rank's slices, `whole` those of the whole model.
+
+    python -m scripts.bench_host_memory [--model s] [--tp 2] [--ep 8] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+MODES = ("sliced", "whole")
+
+
+def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
+    """One measurement, in this process (run by main in a fresh one)."""
+    import torch
+
+    from model import build_model
+    from model.init import materialise
+    from parallel.dims import DistInfo, Layout
+    from parallel.parallelize import materialise_and_shard, shard_model
+    from trainer.config import load_config
+
+    layout = Layout(tp=tp, ep=ep)  # rank 0 of each group; no process group is needed to slice
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    warm_up = build_model(load_config(["model=xs"]), device="meta")
+    materialise_and_shard(warm_up, info, layout, seed=0)
+    del warm_up
+
+    model = build_model(load_config([f"model={model_name}", "variant=block"]), device="meta")
+    whole = 4 * sum(p.numel() for p in model.parameters())
+    page = resource.getpagesize()
+    with open("/proc/self/statm") as statm:
+        before = int(statm.read().split()[1]) * page
+    if mode == "sliced":
+        materialise_and_shard(model, info, layout, seed=0)
+    else:
+        materialise(model, "cpu", model.cfg.init_stds, 0)
+        shard_model(model, layout)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    keeps = 4 * sum(p.numel() for p in model.parameters())
+    return {"mode": mode, "whole_mb": whole / 1e6, "keeps_mb": keeps / 1e6, "growth_mb": (peak - before) / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="s")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # the child process's measurement
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.model, args.tp, args.ep)))
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    results = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        for mode in MODES:  # interleaved, so drift on the machine hits both alike
+            command = [sys.executable, "-m", "scripts.bench_host_memory", "--one", mode, "--model", args.model,
+                       "--tp", str(args.tp), "--ep", str(args.ep)]
+            done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+            results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"repeat {repeat + 1}/{args.repeats} {mode}: {results[mode][-1]['growth_mb']:.1f} MB", file=sys.stderr)
+    first = results["sliced"][0]
+    print(f"model={args.model} as rank 0 of tp={args.tp} x ep={args.ep}: whole model {first['whole_mb']:.1f} MB "
+          f"fp32, this rank keeps {first['keeps_mb']:.1f} MB; {args.repeats} fresh processes per mode")
+    print(f"{'mode':8s} {'growth MB (median)':>19s} {'min..max':>14s}")
+    for mode in MODES:
+        growth = [r["growth_mb"] for r in results[mode]]
+        print(f"{mode:8s} {statistics.median(growth):19.1f} {min(growth):6.1f}..{max(growth):<6.1f}")
+
+
+if __name__ == "__main__":
+    main()
