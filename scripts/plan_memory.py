@@ -149,7 +149,8 @@ def run_plan(args, overrides: list[str]) -> None:
 # -- planned vs measured on CPU ----------------------------------------------------------------------
 
 CPU_RUNS = (("single", 1, []), ("dp2", 2, ["parallel=dp2"]), ("fsdp2", 2, ["parallel=fsdp2"]),
-            ("pp2", 2, ["parallel=pp2", "parallel.schedule=1f1b", "parallel.vp=1"]))
+            ("pp2", 2, ["parallel=pp2", "parallel.schedule=1f1b", "parallel.vp=1"]),
+            ("fsdp2_tp2", 4, ["parallel=fsdp2_tp2"]))
 # cosine: a WSD run saves a checkpoint where its decay starts (step 2 of 3), and that save would enter the peak.
 CPU_TRAIN = ["model=m", "train.seq_len=128", "train.micro_batch=2", "train.global_batch=8", "train.steps=3",
              "train.schedule=cosine", "train.warmup_steps=1",
@@ -193,7 +194,7 @@ def check_cpu(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, nproc, extra in [run for run in CPU_RUNS if run[0] in args.layouts.split(",")]:
             layout = {"single": LayoutSpec(), "dp2": LayoutSpec(dp=2), "fsdp2": LayoutSpec(fsdp=2),
-                      "pp2": LayoutSpec(pp=2)}[name]
+                      "pp2": LayoutSpec(pp=2), "fsdp2_tp2": LayoutSpec(fsdp=2, tp=2)}[name]
             data = layout.dp * layout.fsdp
             for mode in ("none", "full"):
                 p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runnable", action="store_true", help="--search: only layouts the trainer accepts today")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--check-cpu", action="store_true", help="real CPU runs at model=m: planned vs measured")
-    parser.add_argument("--layouts", default="single,dp2,fsdp2,pp2", help="--check-cpu: which runs")
+    parser.add_argument("--layouts", default="single,dp2,fsdp2,pp2", help="--check-cpu: which runs (also fsdp2_tp2: 4 processes)")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.gpus < 1 or args.gpu_mem_gib <= 0 or not 0 <= args.headroom < 1:
