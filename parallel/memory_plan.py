@@ -13,7 +13,9 @@ Bytes per parameter (what the code does):
     gradient before the reduce-scatter. Under ep the routed experts' ep slices stay out of fully_shard
     (16 per parameter, bf16 autocast copies 2). Under pp (shard_pipeline_chunks) parameters stay
     gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
-    whole stage gathered plus its unsharded fp32 gradients for the step.
+    whole stage gathered plus its unsharded fp32 gradients for the step. On CPU, gloo's all-gather and
+    reduce-scatter each stage a full-size copy (measured: +160 MiB for a 160 MiB collective, either
+    kind): one more unit gathered and one of fp32 gradients. NCCL writes into FSDP's buffers in place.
   Host memory at start-up: every layout slices/shards on the meta device and draws the initial weights
     one init unit at a time on the host (parallel/fill.py): 4 bytes per parameter of the largest unit.
   The AdamW step (fused=False: foreach on CUDA) needs one fp32 temporary as large as the rank's
@@ -352,6 +354,8 @@ def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int
                 p.transient_bytes = (gathered + 4) * sharded
             else:
                 p.transient_bytes = (2 * gathered + 4) * count.largest_unit
+            if not cuda:  # gloo stages a full-size copy of an all-gather's output and a reduce-scatter's input
+                p.transient_bytes += (gathered + 4) * count.largest_unit
             p.autocast_copy_bytes = 2 * plain if cuda else 0
         else:
             if layout.dp > 1:

@@ -100,7 +100,7 @@ def report(p: Plan, budget: float, gpu_bytes: float, headroom: float, refused: s
               f"    in flight            {p.in_flight:9.2f} microbatches (pipeline stage {p.stage})",
               f"    AttnRes block storage{gib(p.depth_state_bytes)}  (included above)",
               f"  transient              {gib(p.transient_bytes)}  (fsdp unit gathered x2 for prefetch + its "
-              "unsharded grads; one recomputed block)",
+              "unsharded grads, + gloo's staging of both on CPU; one recomputed block)",
               f"  optimizer step temps   {gib(p.optimizer_step_bytes)}  (after backward)"]
     if p.runtime_bytes:
         lines.append(f"  process runtime        {gib(p.runtime_bytes)}  (measured: python + torch + model code)")
