@@ -22,6 +22,7 @@ from parallel.dims import DistInfo, build_layout
 from parallel import fsdp
 from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
 from trainer.config import ParallelConfig, load_config
+from tp_parity_worker import whole as whole_slice  # torchrun runs this file from its directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -38,12 +39,7 @@ CASES = {
 def whole(tensor: torch.Tensor, name: str | None = None, engine=None) -> torch.Tensor:
     """The whole parameter (or gradient) from FSDP's shards and, for a tp slice, from the tp peers' slices."""
     tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    if engine is None or engine.shards.kind(name) != "tp":
-        return tensor
-    group = engine.layout.tp_group
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=engine.shards.dims[name][0])
+    return tensor if engine is None else whole_slice(name, tensor, engine)
 
 
 def local_bytes(tensors) -> int:
