@@ -12,7 +12,9 @@ from trainer.trainer import KNOWN_ERRORS, Trainer
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    # One write call: print() writes the text and its newline separately, and under PYTHONUNBUFFERED each
+    # is its own syscall, so the ranks of one job interleaved their lines in the shared stderr pipe.
+    sys.stderr.write(f"error: {message}\n")
     sys.exit(2)
 
 

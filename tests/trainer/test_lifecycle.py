@@ -14,6 +14,7 @@ import pytest
 
 from conftest import fast_train_overrides, torchrun
 from parallel.dims import init_distributed
+from trainer import main as trainer_main_module
 from trainer.check import main as check
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, load_config
@@ -92,6 +93,22 @@ def test_every_rank_of_a_second_torchrun_job_refuses_with_the_same_line(tmp_path
     assert refusals[0].startswith(f"error: run.dir={run} is in use by another run: pid {os.getpid()} on ")
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr  # torchrun reports the first to exit
     assert list(run.iterdir()) == []
+
+
+def test_the_error_line_is_one_write_so_ranks_sharing_stderr_cannot_interleave(monkeypatch):
+    """Under PYTHONUNBUFFERED every write is its own syscall; print() made two (text, then newline), and
+    two ranks' refusals came out joined on one line (CI, stop 21)."""
+    writes = []
+
+    class RecordingStderr:
+        def write(self, text):
+            writes.append(text)
+
+    monkeypatch.setattr(sys, "stderr", RecordingStderr())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer_main_module.fail("run.dir=x is in use")
+    assert exit_info.value.code == 2
+    assert writes == ["error: run.dir=x is in use\n"]
 
 
 def test_lock_of_a_killed_run_does_not_block_the_next_run(tmp_path, tiny_dataset, capfd):
