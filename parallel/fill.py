@@ -24,12 +24,10 @@ def fill_shards(sharded: nn.Module, template: nn.Module, seed: int, slice_of=Non
 
     def keep_shard(name: str, full: torch.Tensor) -> torch.Tensor:
         param = params[name]
-        part = slice_of(name, full) if slice_of is not None else full  # the tp/ep slice FSDP then shards
+        shard = slice_of(name, full) if slice_of is not None else full  # the tp/ep slice FSDP then shards
         # Every rank computes the same full tensor, so each takes its own chunk without communication.
         if isinstance(param, DTensor):
-            shard = distribute_tensor(part.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        else:
-            shard = part
+            shard = distribute_tensor(shard.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
         with torch.no_grad():
             param.copy_(shard)  # same placements: a local copy
         return torch.empty_like(full, device="meta")
