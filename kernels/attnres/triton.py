@@ -21,30 +21,40 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from kernels.launch import Launch, compiled_for_gpu
+
 # tl.dot needs every dimension >= 16 on a GPU, so the source and query axes are padded to 16.
 MIN_DOT = 16
+# Under the CPU interpreter each program instance costs milliseconds, so tiles there are large.
+INTERPRETER_TILE = 1 << 16
 
 
-def _tile_budget(device: torch.device) -> int:
-    """Elements of the largest register tile. A GPU keeps tiles in registers; under the CPU
-    interpreter each program instance costs milliseconds, so bigger tiles keep grids small."""
-    return 8192 if device.type == "cuda" else 1 << 16
+def phase1_tiles(tokens: int, head_dim: int, n_sources: int, n_queries: int, gpu: bool, backward: bool) -> tuple[dict, int]:
+    """Phase 1's tile (BLOCK_M tokens, BLOCK_N sources, BLOCK_S queries, BLOCK_D columns) and warps.
 
-
-def phase1_tiles(tokens: int, head_dim: int, n_sources: int, n_queries: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, BLOCK_S, BLOCK_D) for phase 1: the (tokens, sources, columns) tile fits the budget."""
+    On a GPU the largest register tiles, (BLOCK_M, BLOCK_N, BLOCK_D) and (BLOCK_M, BLOCK_N, BLOCK_S),
+    hold 16 elements per thread forward and 4 backward (which keeps about four such tiles live at
+    once): at d 2304, 10 sources and 7 queries that is 125 and 122 registers with no spills on sm_90a
+    (`python -m scripts.kernel_report`), where one 8192-element tile on 4 warps spilled kilobytes.
+    """
     block_n = max(MIN_DOT, triton.next_power_of_2(n_sources))
     block_s = max(MIN_DOT, triton.next_power_of_2(n_queries))
-    block_d = min(max(MIN_DOT, triton.next_power_of_2(head_dim)), 64)
-    block_m = min(triton.next_power_of_2(tokens), max(1, _tile_budget(device) // (block_n * block_d)))
-    return block_m, block_n, block_s, block_d
+    widest = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    if gpu:
+        block_d, budget, num_warps = min(widest, 16 if backward else 32), 1024 if backward else 4096, 8
+    else:
+        block_d, budget, num_warps = min(widest, 64), INTERPRETER_TILE, 4
+    block_m = min(triton.next_power_of_2(tokens), max(1, budget // (block_n * max(block_d, block_s))))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d), num_warps
 
 
-def phase2_tiles(tokens: int, head_dim: int, device: torch.device):
-    """(BLOCK_M, BLOCK_D) for phase 2: a (tokens, columns) tile of one head."""
-    block_d = min(triton.next_power_of_2(head_dim), 1024)
-    block_m = min(triton.next_power_of_2(tokens), max(1, _tile_budget(device) // block_d))
-    return block_m, block_d
+def phase2_tiles(tokens: int, head_dim: int, gpu: bool) -> tuple[dict, int]:
+    """Phase 2's (BLOCK_M tokens, BLOCK_D columns) tile of one head and its warps: on a GPU 2048
+    elements over 4 warps (the backward keeps four such tiles live), no spills at d 2304."""
+    widest = triton.next_power_of_2(head_dim)
+    block_d, budget = (min(widest, 512), 2048) if gpu else (min(widest, 1024), INTERPRETER_TILE)
+    block_m = min(triton.next_power_of_2(tokens), max(1, budget // block_d))
+    return dict(BLOCK_M=block_m, BLOCK_D=block_d), 4
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -208,6 +218,44 @@ def _pointer_table(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64, device=blocks[0].device)
 
 
+def phase1_forward_launch(queries: torch.Tensor, eps: float | None, blocks: list[torch.Tensor], gpu: bool):
+    """The forward launch and its outputs (o (S, M, d), m, l (S, M, H), scores (S, N, M, H), all fp32)."""
+    S, H, HD = queries.shape
+    N = len(blocks)
+    M = blocks[0].numel() // (H * HD)
+    f32 = dict(dtype=torch.float32, device=blocks[0].device)
+    o = torch.empty(S, M, H * HD, **f32)
+    m, l = torch.empty(S, M, H, **f32), torch.empty(S, M, H, **f32)
+    scores = torch.empty(S, N, M, H, **f32)
+    constexprs, num_warps = phase1_tiles(M, HD, N, S, gpu, backward=False)
+    launch = Launch(_phase1_fwd, (triton.cdiv(M, constexprs["BLOCK_M"]), H),
+                    (_pointer_table(blocks), blocks[0], queries.float().contiguous(), o, m, l, scores,
+                     M, N, S, H, HD, eps or 0.0),
+                    dict(HAS_NORM=eps is not None, DOT_PRECISION=dot_precision(blocks[0].dtype), **constexprs),
+                    num_warps)
+    return launch, (o, m, l, scores)
+
+
+def phase1_backward_launch(queries: torch.Tensor, eps: float | None, blocks: list[torch.Tensor],
+                           d_o: torch.Tensor, d_m: torch.Tensor, d_l: torch.Tensor, gpu: bool):
+    """The backward launch and its outputs: d_blocks (N, M, d) in the blocks' dtype and per-tile query
+    gradients (tiles, S, d) fp32, summed by the caller (deterministic, unlike atomics)."""
+    S, H, HD = queries.shape
+    N = len(blocks)
+    M = blocks[0].numel() // (H * HD)
+    constexprs, num_warps = phase1_tiles(M, HD, N, S, gpu, backward=True)
+    n_tiles = triton.cdiv(M, constexprs["BLOCK_M"])
+    d_blocks = torch.empty(N, M, H * HD, dtype=blocks[0].dtype, device=blocks[0].device)
+    d_queries_part = torch.empty(n_tiles, S, H * HD, dtype=torch.float32, device=blocks[0].device)
+    launch = Launch(_phase1_bwd, (n_tiles, H),
+                    (_pointer_table(blocks), blocks[0], queries.float().contiguous(), d_o.float().contiguous(),
+                     d_m.float().contiguous(), d_l.float().contiguous(), d_blocks, d_queries_part,
+                     M, N, S, H, HD, eps or 0.0),
+                    dict(HAS_NORM=eps is not None, DOT_PRECISION=dot_precision(blocks[0].dtype), **constexprs),
+                    num_warps)
+    return launch, (d_blocks, d_queries_part)
+
+
 class Phase1(torch.autograd.Function):
     """queries (S, H, HD), eps (None: no key norm), blocks N x (B, T, d) -> o, m, l, scores (see reference.phase1)."""
 
@@ -217,17 +265,9 @@ class Phase1(torch.autograd.Function):
         N, shape = len(blocks), blocks[0].shape
         if any(b.dtype != blocks[0].dtype or b.shape != shape for b in blocks) or shape[-1] != H * HD:
             raise ValueError(f"phase-1 blocks must share one shape and dtype with width H*HD={H * HD}")
-        flat = [b.contiguous() for b in blocks]
-        M = blocks[0].numel() // (H * HD)
-        f32 = dict(dtype=torch.float32, device=blocks[0].device)
-        o = torch.empty(S, M, H * HD, **f32)
-        m, l = torch.empty(S, M, H, **f32), torch.empty(S, M, H, **f32)
-        scores = torch.empty(S, N, M, H, **f32)
-        block_m, block_n, block_s, block_d = phase1_tiles(M, HD, N, S, blocks[0].device)
-        _phase1_fwd[(triton.cdiv(M, block_m), H)](
-            _pointer_table(flat), flat[0], queries.float().contiguous(), o, m, l, scores, M, N, S, H, HD,
-            eps or 0.0, HAS_NORM=eps is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_S=block_s,
-            BLOCK_D=block_d, DOT_PRECISION=dot_precision(blocks[0].dtype))
+        launch, (o, m, l, scores) = phase1_forward_launch(queries, eps, [b.contiguous() for b in blocks],
+                                                          compiled_for_gpu(blocks[0].device))
+        launch.run()
         ctx.eps = eps
         ctx.save_for_backward(queries, *blocks)
         ctx.mark_non_differentiable(scores)
@@ -241,18 +281,9 @@ class Phase1(torch.autograd.Function):
         queries, *blocks = ctx.saved_tensors
         S, H, HD = queries.shape
         N, shape = len(blocks), blocks[0].shape
-        flat = [b.contiguous() for b in blocks]
-        M = blocks[0].numel() // (H * HD)
-        block_m, block_n, block_s, block_d = phase1_tiles(M, HD, N, S, blocks[0].device)
-        n_tiles = triton.cdiv(M, block_m)
-        d_blocks = torch.empty(N, M, H * HD, dtype=blocks[0].dtype, device=blocks[0].device)
-        # Per-tile query gradients, summed below: deterministic, unlike atomics.
-        d_queries_part = torch.empty(n_tiles, S, H * HD, dtype=torch.float32, device=blocks[0].device)
-        _phase1_bwd[(n_tiles, H)](
-            _pointer_table(flat), flat[0], queries.float().contiguous(), d_o.float().contiguous(),
-            d_m.float().contiguous(), d_l.float().contiguous(), d_blocks, d_queries_part, M, N, S, H, HD,
-            ctx.eps or 0.0, HAS_NORM=ctx.eps is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_S=block_s, BLOCK_D=block_d, DOT_PRECISION=dot_precision(blocks[0].dtype))
+        launch, (d_blocks, d_queries_part) = phase1_backward_launch(
+            queries, ctx.eps, [b.contiguous() for b in blocks], d_o, d_m, d_l, compiled_for_gpu(blocks[0].device))
+        launch.run()
         d_queries = d_queries_part.sum(0).view(S, H, HD).to(queries.dtype)
         return (d_queries, None, *d_blocks.view(N, *shape).unbind(0))
 
@@ -367,19 +398,49 @@ def _phase2_bwd(o1, m1, l1, partial, query, d_h, d_o1, d_m1, d_l1, d_partial, d_
         tl.store(d_query_part + tile * D + cols, tl.sum(d_dot[:, None] * x, axis=0), mask=col_ok)
 
 
+def phase2_forward_launch(o1, m1, l1, partial: torch.Tensor, query: torch.Tensor, eps: float | None, gpu: bool):
+    """The forward launch and its outputs: h in the partial sum's dtype and the scores (M, H) fp32."""
+    H, HD = query.shape
+    M = partial.numel() // (H * HD)
+    h = torch.empty_like(partial, memory_format=torch.contiguous_format)
+    scores = torch.empty(M, H, dtype=torch.float32, device=partial.device)
+    constexprs, num_warps = phase2_tiles(M, HD, gpu)
+    launch = Launch(_phase2_fwd, (triton.cdiv(M, constexprs["BLOCK_M"]), H),
+                    (o1.contiguous(), m1.contiguous(), l1.contiguous(), partial.contiguous(),
+                     query.float().contiguous(), h, scores, M, H, HD, eps or 0.0),
+                    dict(HAS_NORM=eps is not None, **constexprs), num_warps)
+    return launch, (h, scores)
+
+
+def phase2_backward_launch(o1, m1, l1, partial: torch.Tensor, query: torch.Tensor, d_h: torch.Tensor,
+                           eps: float | None, gpu: bool):
+    """The backward launch and its outputs: d_o1, d_m1, d_l1 fp32, d_partial in its dtype and per-tile
+    query gradients (tiles, d) fp32, summed by the caller."""
+    H, HD = query.shape
+    M = partial.numel() // (H * HD)
+    constexprs, num_warps = phase2_tiles(M, HD, gpu)
+    n_tiles = triton.cdiv(M, constexprs["BLOCK_M"])
+    d_o1 = torch.empty(o1.shape, dtype=torch.float32, device=o1.device)
+    d_m1 = torch.empty(m1.shape, dtype=torch.float32, device=m1.device)
+    d_l1 = torch.empty(l1.shape, dtype=torch.float32, device=l1.device)
+    d_partial = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
+    d_query_part = torch.empty(n_tiles, H * HD, dtype=torch.float32, device=partial.device)
+    launch = Launch(_phase2_bwd, (n_tiles, H),
+                    (o1.contiguous(), m1.contiguous(), l1.contiguous(), partial.contiguous(),
+                     query.float().contiguous(), d_h.contiguous(), d_o1, d_m1, d_l1, d_partial, d_query_part,
+                     M, H, HD, eps or 0.0),
+                    dict(HAS_NORM=eps is not None, **constexprs), num_warps)
+    return launch, (d_o1, d_m1, d_l1, d_partial, d_query_part)
+
+
 class Phase2(torch.autograd.Function):
     """o1 (B, T, d) fp32, m1, l1 (B, T, H), partial (B, T, d), query (H, HD), eps -> h, scores (1, B, T, H)."""
 
     @staticmethod
     def forward(ctx, o1, m1, l1, partial, query, eps: float | None):
-        H, HD = query.shape
-        M = partial.numel() // (H * HD)
-        h = torch.empty_like(partial, memory_format=torch.contiguous_format)
-        scores = torch.empty(M, H, dtype=torch.float32, device=partial.device)
-        block_m, block_d = phase2_tiles(M, HD, partial.device)
-        _phase2_fwd[(triton.cdiv(M, block_m), H)](
-            o1.contiguous(), m1.contiguous(), l1.contiguous(), partial.contiguous(), query.float().contiguous(),
-            h, scores, M, H, HD, eps or 0.0, HAS_NORM=eps is not None, BLOCK_M=block_m, BLOCK_D=block_d)
+        H = query.shape[0]
+        launch, (h, scores) = phase2_forward_launch(o1, m1, l1, partial, query, eps, compiled_for_gpu(partial.device))
+        launch.run()
         ctx.eps = eps
         ctx.save_for_backward(o1, m1, l1, partial, query)
         ctx.mark_non_differentiable(scores)
@@ -389,20 +450,10 @@ class Phase2(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_h, _d_scores):
         o1, m1, l1, partial, query = ctx.saved_tensors
-        H, HD = query.shape
-        M = partial.numel() // (H * HD)
-        block_m, block_d = phase2_tiles(M, HD, partial.device)
-        n_tiles = triton.cdiv(M, block_m)
-        d_o1 = torch.empty(o1.shape, dtype=torch.float32, device=o1.device)
-        d_m1 = torch.empty(m1.shape, dtype=torch.float32, device=m1.device)
-        d_l1 = torch.empty(l1.shape, dtype=torch.float32, device=l1.device)
-        d_partial = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
-        d_query_part = torch.empty(n_tiles, H * HD, dtype=torch.float32, device=partial.device)
-        _phase2_bwd[(n_tiles, H)](
-            o1.contiguous(), m1.contiguous(), l1.contiguous(), partial.contiguous(), query.float().contiguous(),
-            d_h.contiguous(), d_o1, d_m1, d_l1, d_partial, d_query_part, M, H, HD, ctx.eps or 0.0,
-            HAS_NORM=ctx.eps is not None, BLOCK_M=block_m, BLOCK_D=block_d)
-        d_query = d_query_part.sum(0).view(H, HD).to(query.dtype)
+        launch, (d_o1, d_m1, d_l1, d_partial, d_query_part) = phase2_backward_launch(
+            o1, m1, l1, partial, query, d_h, ctx.eps, compiled_for_gpu(partial.device))
+        launch.run()
+        d_query = d_query_part.sum(0).view(query.shape).to(query.dtype)
         return d_o1.to(o1.dtype), d_m1.to(m1.dtype), d_l1.to(l1.dtype), d_partial, d_query, None
 
 

@@ -11,13 +11,17 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from kernels.launch import Launch, compiled_for_gpu
 
-def tiles(rows: int, width: int, device: torch.device):
-    """(BLOCK_M, BLOCK_D). A GPU keeps the tile in registers; under the CPU interpreter each program
-    instance costs milliseconds, so the tile there is bigger."""
-    budget = 8192 if device.type == "cuda" else 1 << 16
+
+def tiles(rows: int, width: int, gpu: bool) -> tuple[dict, int]:
+    """(BLOCK_M rows, BLOCK_D = the whole row) and warps. On a GPU the tile holds 4096 elements, 32 per
+    thread of 4 warps (more warps for rows over 4096): the backward keeps three such tiles live, and
+    at 8192 elements it took 240-255 registers and spilled at width 512 in fp32 on sm_80. Under the
+    CPU interpreter each program instance costs milliseconds, so the tile there is bigger."""
     block_d = triton.next_power_of_2(width)
-    return min(triton.next_power_of_2(rows), max(1, budget // block_d)), block_d
+    budget, num_warps = (4096, max(4, min(16, block_d // 1024))) if gpu else (1 << 16, 4)
+    return dict(BLOCK_M=min(triton.next_power_of_2(rows), max(1, budget // block_d)), BLOCK_D=block_d), num_warps
 
 
 @triton.jit
@@ -48,15 +52,34 @@ def _rms_norm_bwd(x, weight, d_y, d_x, d_weight_part, M, D, eps, BLOCK_M: tl.con
     tl.store(d_weight_part + tile * D + cols, tl.sum(dy * xv * inv[:, None], axis=0), mask=cols < D)
 
 
+def forward_launch(x_flat: torch.Tensor, weight: torch.Tensor, eps: float, gpu: bool):
+    """x_flat (M, D) -> the launch and y (M, D) in x's dtype."""
+    M, D = x_flat.shape
+    y = torch.empty_like(x_flat)
+    constexprs, num_warps = tiles(M, D, gpu)
+    launch = Launch(_rms_norm_fwd, (triton.cdiv(M, constexprs["BLOCK_M"]),),
+                    (x_flat, weight.contiguous(), y, M, D, eps), constexprs, num_warps)
+    return launch, y
+
+
+def backward_launch(x_flat: torch.Tensor, weight: torch.Tensor, d_y_flat: torch.Tensor, eps: float, gpu: bool):
+    """x_flat, d_y_flat (M, D) -> the launch, d_x (M, D) and per-tile gain gradients (tiles, D) fp32."""
+    M, D = x_flat.shape
+    constexprs, num_warps = tiles(M, D, gpu)
+    n_tiles = triton.cdiv(M, constexprs["BLOCK_M"])
+    d_x = torch.empty_like(x_flat)
+    d_weight_part = torch.empty(n_tiles, D, dtype=torch.float32, device=x_flat.device)
+    launch = Launch(_rms_norm_bwd, (n_tiles,), (x_flat, weight.contiguous(), d_y_flat, d_x, d_weight_part, M, D, eps),
+                    constexprs, num_warps)
+    return launch, d_x, d_weight_part
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        D = x.shape[-1]
-        x_flat = x.reshape(-1, D).contiguous()  # (M, D)
-        y = torch.empty_like(x_flat)
-        block_m, block_d = tiles(x_flat.shape[0], D, x.device)
-        _rms_norm_fwd[(triton.cdiv(x_flat.shape[0], block_m),)](
-            x_flat, weight.contiguous(), y, x_flat.shape[0], D, eps, BLOCK_M=block_m, BLOCK_D=block_d)
+        x_flat = x.reshape(-1, x.shape[-1]).contiguous()  # (M, D)
+        launch, y = forward_launch(x_flat, weight, eps, compiled_for_gpu(x.device))
+        launch.run()
         ctx.eps = eps
         ctx.save_for_backward(x, weight)
         return y.view(x.shape)
@@ -66,14 +89,10 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, d_y: torch.Tensor):
         x, weight = ctx.saved_tensors
         D = x.shape[-1]
-        x_flat = x.reshape(-1, D).contiguous()  # (M, D)
-        M = x_flat.shape[0]
-        block_m, block_d = tiles(M, D, x.device)
-        n_tiles = triton.cdiv(M, block_m)
-        d_x = torch.empty_like(x_flat)
-        d_weight_part = torch.empty(n_tiles, D, dtype=torch.float32, device=x.device)
-        _rms_norm_bwd[(n_tiles,)](x_flat, weight.contiguous(), d_y.reshape(-1, D).contiguous(), d_x, d_weight_part,
-                                  M, D, ctx.eps, BLOCK_M=block_m, BLOCK_D=block_d)
+        launch, d_x, d_weight_part = backward_launch(x.reshape(-1, D).contiguous(), weight,
+                                                     d_y.reshape(-1, D).contiguous(), ctx.eps,
+                                                     compiled_for_gpu(x.device))  # (M, D)
+        launch.run()
         return d_x.view(x.shape), d_weight_part.sum(0).to(weight.dtype), None
 
 

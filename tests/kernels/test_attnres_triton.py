@@ -33,6 +33,14 @@ PHASE1_SHAPES = [(1, 1, 48, 1, 3, 1), (2, 3, 72, 2, 5, 3), (1, 5, 72, 1, 3, 3)]
 PHASE2_SHAPES = [(1, 1, 48, 1), (2, 3, 72, 2), (1, 5, 72, 1)]
 
 
+@pytest.fixture(params=["interpreter", "gpu"])
+def tiles(request, monkeypatch):
+    """Each launch table in turn: the interpreter's large tiles, and the GPU's (small tiles, several
+    column chunks per head, more programs), whose arithmetic is checked here like the interpreter's."""
+    monkeypatch.setattr(fused, "compiled_for_gpu", lambda device: request.param == "gpu")
+    return request.param
+
+
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.cpu().double(), expected.cpu().double()
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1)).item()
@@ -78,7 +86,7 @@ def check_phase1(blocks, queries, eps, tol):
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", PHASE1_SHAPES)
-def test_phase1_matches_reference(shape, dtype, key_norm):
+def test_phase1_matches_reference(shape, dtype, key_norm, tiles):
     blocks, queries = phase1_inputs(*shape, dtype)
     check_phase1(blocks, queries, EPS if key_norm else None, TOL[dtype])
 
@@ -101,7 +109,7 @@ def test_phase1_casts_an_fp32_embedding_among_bf16_blocks():
 @pytest.mark.parametrize("key_norm", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", PHASE2_SHAPES)
-def test_phase2_matches_reference(shape, dtype, key_norm):
+def test_phase2_matches_reference(shape, dtype, key_norm, tiles):
     B, T, d, H = shape
     eps = EPS if key_norm else None
     gen = torch.Generator().manual_seed(0)
