@@ -3,9 +3,11 @@ launchers choose for the model sizes we ship: registers, spills, shared memory, 
 roofline prediction against the H200's HBM bandwidth. Needs no GPU (triton and its bundled ptxas).
 
     python -m scripts.kernel_report [--archs 80 90] [--dtypes fp32 bf16] [--sizes s m l kimi_linear_48b]
-                                    [--json PATH] [--no-roofline]
+                                    [--json PATH] [--no-roofline] [--measure]
 
 Exits 1 when any kernel spills. --json writes one record per compiled kernel (for the tests).
+--measure (on a CUDA device: scripts/gpu_check.sh) times each roofline kernel and prints its measured
+time and bandwidth beside the prediction.
 
 The launches come from the launch code itself (`kernels.*.triton.*_launch` on meta tensors), for each
 model size, residual setting (the block variant's default and the ablations' block settings), sequence
@@ -81,34 +83,38 @@ def geometry(size: str, residual: str) -> Geometry:
     return Geometry(model_cfg.d_model, options.heads, options.key_norm, calls, tuple(widths))
 
 
-def _meta(*shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device="meta")
+def _meta(*shape, dtype=torch.float32, device="meta") -> torch.Tensor:
+    """A tensor of `shape`: shape and dtype only on the meta device, random values on a real one."""
+    if device == "meta":
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.randn(*shape, device=device).to(dtype)
 
 
-def attnres_launches(g: Geometry, tokens: int, dtype: torch.dtype) -> list[Launch]:
+def attnres_launches(g: Geometry, tokens: int, dtype: torch.dtype, device: str = "meta") -> list[Launch]:
     """Forward and backward launches of every phase-1 read and of phase 2, for one microbatch of `tokens`."""
     H, HD = g.heads, g.d // g.heads
     eps = NORM_EPS if g.key_norm else None
+    new = functools.partial(_meta, device=device)
     launches = []
     for n_sources, n_queries in g.phase1_calls:
-        blocks = [_meta(tokens, g.d, dtype=dtype) for _ in range(n_sources)]
-        queries = _meta(n_queries, H, HD)
+        blocks = [new(tokens, g.d, dtype=dtype) for _ in range(n_sources)]
+        queries = new(n_queries, H, HD)
         launches.append(attnres_fused.phase1_forward_launch(queries, eps, blocks, gpu=True)[0])
-        stats = _meta(n_queries, tokens, H)
+        stats = new(n_queries, tokens, H)
         launches.append(attnres_fused.phase1_backward_launch(
-            queries, eps, blocks, _meta(n_queries, tokens, g.d), stats, stats, gpu=True)[0])
-    o1, m1, partial, query = _meta(tokens, g.d), _meta(tokens, H), _meta(tokens, g.d, dtype=dtype), _meta(H, HD)
+            queries, eps, blocks, new(n_queries, tokens, g.d), stats, stats, gpu=True)[0])
+    o1, m1, partial, query = new(tokens, g.d), new(tokens, H), new(tokens, g.d, dtype=dtype), new(H, HD)
     launches.append(attnres_fused.phase2_forward_launch(o1, m1, m1, partial, query, eps, gpu=True)[0])
     launches.append(attnres_fused.phase2_backward_launch(o1, m1, m1, partial, query, partial, eps, gpu=True)[0])
     return launches
 
 
-def rmsnorm_launches(g: Geometry, tokens: int, dtype: torch.dtype) -> list[Launch]:
+def rmsnorm_launches(g: Geometry, tokens: int, dtype: torch.dtype, device: str = "meta") -> list[Launch]:
     """Every fused RMSNorm width, at `tokens` rows (a per-head norm has more rows, which changes no
     tile: at 2K rows and more BLOCK_M is set by the tile budget)."""
     launches = []
     for width in g.norm_widths:
-        x, weight = _meta(tokens, width, dtype=dtype), _meta(width, dtype=dtype)
+        x, weight = _meta(tokens, width, dtype=dtype, device=device), _meta(width, dtype=dtype, device=device)
         launches.append(rmsnorm_fused.forward_launch(x, weight, NORM_EPS, gpu=True)[0])
         launches.append(rmsnorm_fused.backward_launch(x, weight, x, NORM_EPS, gpu=True)[0])
     return launches
@@ -213,13 +219,23 @@ def fused_bytes(launch: Launch) -> int:
     raise KeyError(f"no byte count for kernel {name}")
 
 
-def roofline_rows(size: str, dtype: torch.dtype) -> list[tuple[str, int, int]]:
-    """(kernel, fused bytes, unfused torch bytes) for the largest call of each kernel at ROOFLINE_TOKENS
-    (phase 1: the block read with the most sources x queries; RMSNorm: the widest)."""
+def roofline_geometry(size: str) -> Geometry:
+    """The largest call of each kernel: the block read with the most sources x queries, the widest RMSNorm."""
     g = geometry(size, "default")
+    call = max(g.phase1_calls, key=lambda c: c[0] * c[1])
+    return Geometry(g.d, g.heads, g.key_norm, (call,), (max(g.norm_widths),))
+
+
+def roofline_launches(size: str, dtype: torch.dtype, device: str = "meta") -> list[Launch]:
+    g = roofline_geometry(size)
+    return attnres_launches(g, ROOFLINE_TOKENS, dtype, device) + rmsnorm_launches(g, ROOFLINE_TOKENS, dtype, device)
+
+
+def unfused_bytes(size: str, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes the torch reference moves for what each kernel computes, on the roofline shapes."""
+    g = roofline_geometry(size)
     H, HD, tokens = g.heads, g.d // g.heads, ROOFLINE_TOKENS
-    n_sources, n_queries = max(g.phase1_calls, key=lambda call: call[0] * call[1])
-    launches = {launch.name: launch for launch in attnres_launches(Geometry(g.d, H, g.key_norm, ((n_sources, n_queries),), ()), tokens, dtype)}
+    (n_sources, n_queries), width = g.phase1_calls[0], g.norm_widths[0]
 
     def phase1(queries, *blocks):
         inv = [attnres_reference.inverse_rms(b, H, NORM_EPS) for b in blocks]
@@ -228,25 +244,37 @@ def roofline_rows(size: str, dtype: torch.dtype) -> list[tuple[str, int, int]]:
     def phase2(o1, m1, l1, partial, query):
         return attnres_reference.phase2(o1, m1, l1, partial, query, attnres_reference.inverse_rms(partial, H, NORM_EPS))[0]
 
-    p1_inputs = [_meta(n_queries, H, HD)] + [_meta(tokens, g.d, dtype=dtype) for _ in range(n_sources)]
-    p2_inputs = [_meta(tokens, g.d), _meta(tokens, H), _meta(tokens, H), _meta(tokens, g.d, dtype=dtype), _meta(H, HD)]
-    p1_fwd, p1_bwd = _forward_and_backward(phase1, p1_inputs)
-    p2_fwd, p2_bwd = _forward_and_backward(phase2, p2_inputs)
-    width = max(g.norm_widths)
-    norm_fwd, norm_bwd = _forward_and_backward(lambda x, w: rmsnorm_reference.rms_norm(x, w, NORM_EPS),
-                                               [_meta(tokens, width, dtype=dtype), _meta(width, dtype=dtype)])
-    x, weight = _meta(tokens, width, dtype=dtype), _meta(width, dtype=dtype)
-    norm = {"_rms_norm_fwd": rmsnorm_fused.forward_launch(x, weight, NORM_EPS, gpu=True)[0],
-            "_rms_norm_bwd": rmsnorm_fused.backward_launch(x, weight, x, NORM_EPS, gpu=True)[0]}
-    shape = f"N{n_sources} S{n_queries} d{g.d}"
-    return [
-        (f"_phase1_fwd ({shape})", fused_bytes(launches["_phase1_fwd"]), p1_fwd),
-        (f"_phase1_bwd ({shape})", fused_bytes(launches["_phase1_bwd"]), p1_bwd),
-        (f"_phase2_fwd (d{g.d})", fused_bytes(launches["_phase2_fwd"]), p2_fwd),
-        (f"_phase2_bwd (d{g.d})", fused_bytes(launches["_phase2_bwd"]), p2_bwd),
-        (f"_rms_norm_fwd (d{width})", fused_bytes(norm["_rms_norm_fwd"]), norm_fwd),
-        (f"_rms_norm_bwd (d{width})", fused_bytes(norm["_rms_norm_bwd"]), norm_bwd),
-    ]
+    counts = {}
+    counts["_phase1_fwd"], counts["_phase1_bwd"] = _forward_and_backward(
+        phase1, [_meta(n_queries, H, HD)] + [_meta(tokens, g.d, dtype=dtype) for _ in range(n_sources)])
+    counts["_phase2_fwd"], counts["_phase2_bwd"] = _forward_and_backward(
+        phase2, [_meta(tokens, g.d), _meta(tokens, H), _meta(tokens, H), _meta(tokens, g.d, dtype=dtype), _meta(H, HD)])
+    counts["_rms_norm_fwd"], counts["_rms_norm_bwd"] = _forward_and_backward(
+        lambda x, w: rmsnorm_reference.rms_norm(x, w, NORM_EPS), [_meta(tokens, width, dtype=dtype), _meta(width, dtype=dtype)])
+    return counts
+
+
+def roofline_label(size: str, name: str) -> str:
+    g = roofline_geometry(size)
+    (n_sources, n_queries), width = g.phase1_calls[0], g.norm_widths[0]
+    shape = f"N{n_sources} S{n_queries} d{g.d}" if name.startswith("_phase1") else f"d{width if 'rms' in name else g.d}"
+    return f"{name} ({shape})"
+
+
+def measure_us(launch: Launch, reps: int = 20) -> float:
+    """Median time of one launch on the CUDA device, in microseconds."""
+    for _ in range(3):
+        launch.run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch.run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -259,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
     parser.add_argument("--json", help="also write one JSON record per compiled kernel to this file")
     parser.add_argument("--no-roofline", action="store_true", help="only the compiled kernels' table")
+    parser.add_argument("--measure", action="store_true",
+                        help="on a CUDA device, also time each roofline kernel and print its bandwidth")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         print("error: TRITON_INTERPRET is set, so triton.jit builds interpreter functions that cannot be "
@@ -290,14 +320,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_roofline:
         return 1 if spilling else 0
 
+    measure = args.measure
+    if measure and not torch.cuda.is_available():
+        print("kernel_report: --measure needs a CUDA device; the roofline table has predictions only", file=sys.stderr)
+        measure = False
     print(f"Roofline at {ROOFLINE_TOKENS} tokens (one call, the largest phase-1 read), H200 {H200_BYTES_PER_S / 1e12:.1f} TB/s:\n")
-    print("| size | dtype | kernel | fused MB | predicted µs | unfused torch MB | fused / unfused |")
-    print("|---|---|---|---|---|---|---|")
+    measured_columns = " measured µs | measured GB/s |" if measure else ""
+    print(f"| size | dtype | kernel | fused MB | predicted µs | unfused torch MB | fused / unfused |{measured_columns}")
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if measure else ""))
     for size in args.sizes:
         for dtype in args.dtypes:
-            for kernel, fused, unfused in roofline_rows(size, DTYPES[dtype]):
-                print(f"| {size} | {dtype} | {kernel} | {fused / 1e6:.1f} | {fused / H200_BYTES_PER_S * 1e6:.1f} | "
-                      f"{unfused / 1e6:.1f} | {fused / unfused:.2f} |")
+            unfused = unfused_bytes(size, DTYPES[dtype])
+            devices = roofline_launches(size, DTYPES[dtype], "cuda") if measure else [None] * len(unfused)
+            for launch, on_device in zip(roofline_launches(size, DTYPES[dtype]), devices):
+                fused = fused_bytes(launch)
+                row = (f"| {size} | {dtype} | {roofline_label(size, launch.name)} | {fused / 1e6:.1f} | "
+                       f"{fused / H200_BYTES_PER_S * 1e6:.1f} | {unfused[launch.name] / 1e6:.1f} | "
+                       f"{fused / unfused[launch.name]:.2f} |")
+                if on_device is not None:
+                    us = measure_us(on_device)
+                    row += f" {us:.1f} | {fused / us / 1e3:.0f} |"
+                print(row, flush=True)
     return 1 if spilling else 0
 
 

@@ -1,5 +1,5 @@
 """30 bf16 training steps of model=m for the baseline and Block, through the trainer: step-time ratio
-and peak memory. On CUDA the trainer runs every forward under bf16 autocast (Trainer._autocast), so
+and peak memory; then Block resumes from its last checkpoint on the device for 2 more steps. On CUDA the trainer runs every forward under bf16 autocast (Trainer._autocast), so
 no flag is needed. The device may have no network, so the text is generated here (pseudo-words; the
 trainer trains its BPE on it) instead of the default Shakespeare download.
 
@@ -31,9 +31,12 @@ def write_corpus(texts: Path, files: int = 40, lines: int = 400) -> None:
         (texts / f"doc{i:02d}.txt").write_text("\n".join(body) + "\n")
 
 
-def train(variant: str, out: Path, steps: int) -> list[dict]:
+def train(variant: str, out: Path, steps: int, resume: bool = False) -> list[dict]:
+    """Train (or, with `resume`, continue the run to `steps`) and return its step records."""
     run_dir = out / f"run_{variant}"
-    overrides = ["model=m", f"variant={variant}", f"run.dir={run_dir}", "resume=never",
+    # Extending a finished WSD run moves its decay, so the resumed leg allows the LR change.
+    resumed = ["resume=auto", "train.allow_lr_change=true"] if resume else ["resume=never"]
+    overrides = ["model=m", f"variant={variant}", f"run.dir={run_dir}", *resumed,
                  f"data.path={out / 'texts'}", f"data.cache_dir={out / 'data_cache'}", f"train.steps={steps}",
                  "train.seq_len=1024", "train.micro_batch=16", "train.global_batch=16", "train.log_every=1",
                  f"train.eval_every={steps}", "train.eval_batches=2", f"train.ckpt_every={10 * steps}",
@@ -65,11 +68,20 @@ def main() -> None:
             problems.append(f"{variant}: {len(steps)} of {args.steps} steps logged, or a non-finite loss")
         print(f"  {variant}: median step {figures[variant][0] * 1e3:.1f} ms (steps {WARMUP_STEPS + 1}-{len(steps)}), "
               f"peak {figures[variant][1]:.0f} MB, loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
+    if not problems:
+        # Resume on the device: the checkpoint's CUDA RNG state is restored (Trainer's CPU tests cover
+        # only the CPU generator), then two more steps must train.
+        try:
+            more = [r for r in train("block", args.out, args.steps + 2, resume=True) if r["step"] > args.steps]
+            if len(more) != 2 or not all(math.isfinite(r["loss"]) for r in more):
+                problems.append(f"resume: {len(more)} of 2 steps after step {args.steps} logged, or a non-finite loss")
+        except RuntimeError as error:
+            problems.append(f"resume: {error}")
     if problems:
         print(f"FAIL train_bf16_m {'; '.join(problems)}")
         sys.exit(1)
     (base_s, base_mb), (block_s, block_mb) = figures["baseline"], figures["block"]
-    print(f"PASS train_bf16_m steps={args.steps} baseline={base_s * 1e3:.1f}ms block={block_s * 1e3:.1f}ms "
+    print(f"PASS train_bf16_m steps={args.steps} resumed+2 baseline={base_s * 1e3:.1f}ms block={block_s * 1e3:.1f}ms "
           f"ratio={block_s / base_s:.3f}x peak_mem baseline={base_mb:.0f}MB block={block_mb:.0f}MB "
           f"({block_mb / base_mb:.3f}x)")
 

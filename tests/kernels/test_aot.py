@@ -1,5 +1,6 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90a, fp32 and bf16, at every tile
-configuration the launchers choose for the model sizes we ship, and spills no register.
+configuration the launchers choose for the model sizes we ship, spills no register and fits an SM's
+shared memory.
 
 The compilation runs `python -m scripts.kernel_report` in a child process: the interpreter tests in
 this directory set TRITON_INTERPRET=1, under which triton.jit builds functions that cannot be compiled
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import kernels
+from kernels.aot import SHARED_PER_SM
 from scripts.kernel_report import ARCHS, DTYPES, tile_configs
 
 # Every kernels/<op>/triton.py: a new kernel module is covered without editing this test.
@@ -55,4 +57,7 @@ def test_every_tile_configuration_compiles_without_spills(arch, tmp_path):
     spilling = [(r["label"], r["spill_stores"], r["spill_loads"]) for r in records if r["spill_stores"] + r["spill_loads"]]
     assert not spilling, spilling
     assert all(0 < r["registers"] <= 255 and r["num_warps"] in (4, 8, 16) for r in records), records
+    # A program that asks for more shared memory than an SM has does not launch at all.
+    too_big = [(r["label"], r["shared"]) for r in records if r["shared"] > SHARED_PER_SM[arch]]
+    assert not too_big, too_big
     assert result.returncode == 0, result.stderr[-3000:]

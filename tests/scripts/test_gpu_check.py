@@ -10,7 +10,7 @@ from pathlib import Path
 from scripts import bench_inference, bench_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["triton_kernels_cuda", "bench_kernels", "fla_chunk_kda", "grouped_mm", "train_bf16_m", "compiled_decode"]
+CHECKS = ["triton_kernels_cuda", "kernel_report", "bench_kernels", "fla_chunk_kda", "grouped_mm", "train_bf16_m", "compiled_decode"]
 
 
 def gpu_check(*args):
@@ -25,8 +25,9 @@ def test_dry_run_lists_every_check_and_its_command():
     assert lines[0].startswith(f"gpu_check: {len(CHECKS)} checks, logs under runs/gpu_check/")
     assert [line.split(" ")[0] for line in lines[1:]] == CHECKS
     commands = dict(line.split(": ", 1) for line in lines[1:])
-    assert commands["triton_kernels_cuda (limit 150s)"] == (
+    assert commands["triton_kernels_cuda (limit 240s)"] == (
         f"env -u TRITON_INTERPRET KERNEL_TEST_DEVICE=cuda {sys.executable} -m pytest -q -p no:cacheprovider tests/kernels")
+    assert commands["kernel_report (limit 180s)"].endswith("-m scripts.kernel_report --archs 90 --dtypes bf16 --measure")
     assert commands["train_bf16_m (limit 180s)"].endswith("--steps 30")
     assert "--compile --summary" in commands["compiled_decode (limit 240s)"]
 
