@@ -6,6 +6,8 @@ The compilation runs `python -m scripts.kernel_report` in a child process: the i
 this directory set TRITON_INTERPRET=1, under which triton.jit builds functions that cannot be compiled
 for a GPU. One child per architecture, so pytest-xdist runs the two side by side.
 """
+import kernel_device  # noqa: F401  before triton is first imported: this process's kernels stay interpreted
+
 import importlib
 import inspect
 import json
