@@ -68,7 +68,10 @@ class RunningSumResidual(ResidualMixer):
         if gate is None:
             state.partial = state.partial + output
         else:
-            state.partial = torch.lerp(state.partial, output, gate)  # (1 - g) h + g v
+            # lerp does not promote: under autocast the output and gate are bf16, and the sum keeps the
+            # stream's dtype as the baseline's + does (fp32 from an fp32 embedding).
+            dtype = state.partial.dtype
+            state.partial = torch.lerp(state.partial, output.to(dtype), gate.to(dtype))  # (1 - g) h + g v
         if state.trace is not None:
             carry = state.trace.carry                               # (B, T, G, l)
             if gate is None:

@@ -42,6 +42,13 @@ def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _in_stream_dtype(streams: torch.Tensor):
+    """The streams' reads and mixing run in their own dtype: autocast would make these einsums bf16
+    matmuls and round the (fp32) streams to bf16 at every sublayer, which the baseline's running sum
+    never is (an m x m mix per token: cheap in fp32)."""
+    return torch.autocast(streams.device.type, enabled=False)
+
+
 def sinkhorn(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) -> torch.Tensor:
     """(..., m, m) logits -> doubly stochastic matrices: exp, then alternate column and row normalisation
     (at least fp32). Rows go last and sum to 1 to rounding: identical streams stay identical. Plain
@@ -119,21 +126,23 @@ class HyperConnectionResidual(ResidualMixer):
         alpha, beta, mix = read(state.partial)
         dtype = state.partial.dtype
         state.pending_write = (beta.to(dtype), mix.to(dtype))
-        h = torch.einsum("btj,jbtd->btd", alpha.to(dtype), state.partial)
-        if state.trace is not None:
-            row = torch.einsum("btj,jbtl->btl", alpha.to(dtype), state.trace.carry)
-            state.trace.add_row(state.next_sublayer, row.unsqueeze(2), h)
+        with _in_stream_dtype(state.partial):
+            h = torch.einsum("btj,jbtd->btd", alpha.to(dtype), state.partial)
+            if state.trace is not None:
+                row = torch.einsum("btj,jbtl->btl", alpha.to(dtype), state.trace.carry)
+                state.trace.add_row(state.next_sublayer, row.unsqueeze(2), h)
         return h
 
     def write(self, state: DepthState, output: torch.Tensor) -> None:
         self.record_output(state, output)
         beta, mix = state.pending_write
         state.pending_write = None
-        mixed = torch.einsum("btkj,jbtd->kbtd", mix, state.partial)
+        with _in_stream_dtype(state.partial):
+            mixed = torch.einsum("btkj,jbtd->kbtd", mix, state.partial)
+            if state.trace is not None:
+                carry = torch.einsum("btkj,jbtl->kbtl", mix, state.trace.carry)   # (m, B, T, l)
+                state.trace.carry = torch.cat([carry, beta.permute(2, 0, 1).unsqueeze(-1)], -1)
         state.partial = mixed + beta.permute(2, 0, 1).unsqueeze(-1) * output
-        if state.trace is not None:
-            carry = torch.einsum("btkj,jbtl->kbtl", mix, state.trace.carry)   # (m, B, T, l)
-            state.trace.carry = torch.cat([carry, beta.permute(2, 0, 1).unsqueeze(-1)], -1)
         state.next_sublayer += 1
 
     def final(self, state: DepthState, read) -> torch.Tensor:
