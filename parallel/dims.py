@@ -1,4 +1,4 @@
-"""Process-group setup: one place picks the backend and the device."""
+"""Process-group setup: one place picks the backend, the device and the compute precision."""
 from __future__ import annotations
 
 import os
@@ -36,6 +36,18 @@ def init_distributed() -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return DistInfo(dist.get_rank(), world_size, local_rank, device, backend)
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """train.precision -> the dtype the forward computes in. bf16: autocast, and FSDP2 gathers bf16
+    parameters (reducing gradients in fp32); the optimizer's master weights stay fp32 in every precision.
+    auto: bf16 on CUDA, fp32 elsewhere."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 def barrier() -> None:

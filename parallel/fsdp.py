@@ -44,18 +44,20 @@ def read_block_units(blocks: list[TransformerBlock], mixer) -> list[list[Transfo
     return units + ([unit] if unit else [])
 
 
-def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 parameters with fp32 gradient reduction on CUDA, fp32 elsewhere. Inputs are not cast: the
-    blocks pass a DepthState (a dataclass FSDP would copy, dropping the caller's diagnostics dict), and
-    the bf16 embedding already makes the residual stream bf16."""
-    if device.type != "cuda":
+def mixed_precision(precision: torch.dtype) -> MixedPrecisionPolicy:
+    """bf16: parameters gathered in bf16, gradients reduced in fp32 (the fp32 shards stay the master
+    weights); fp32: everything fp32. gloo (torch 2.13) all-gathers, reduce-scatters and all-reduces bf16
+    tensors as NCCL does, so the CPU path needs no casts around them. Inputs are not cast: the blocks pass
+    a DepthState (a dataclass FSDP would copy, dropping the caller's diagnostics dict), and the bf16
+    embedding already makes the residual stream bf16."""
+    if precision != torch.bfloat16:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: Decoder, layout: Layout, device: torch.device, ignored: set[nn.Parameter]) -> Decoder:
+def apply_fsdp(model: Decoder, layout: Layout, precision: torch.dtype, ignored: set[nn.Parameter]) -> Decoder:
     """`ignored`: parameters FSDP leaves as they are (the ep slices of the routed experts)."""
-    policy = mixed_precision(device)
+    policy = mixed_precision(precision)
     for unit in shard_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=layout.fsdp_mesh, mp_policy=policy,
                     ignored_params=ignored)
@@ -63,7 +65,7 @@ def apply_fsdp(model: Decoder, layout: Layout, device: torch.device, ignored: se
 
 
 def shard_pipeline_chunks(chunks: list[nn.Module], rank_model: Decoder, template: Decoder | None, layout: Layout,
-                          device: torch.device, seed: int) -> None:
+                          device: torch.device, precision: torch.dtype, seed: int) -> None:
     """FSDP2 under pp: each of this rank's pipeline chunks (a stage's module) becomes an FSDP root over
     the fsdp ranks of its stage, with its read-block units of transformer blocks inside (a chunk starts a
     new unit: the two-phase read only batches the queries of the chunk's own sublayers). The pipeline
@@ -73,7 +75,7 @@ def shard_pipeline_chunks(chunks: list[nn.Module], rank_model: Decoder, template
     second all-gather per microbatch). `rank_model` (on meta, holding only this rank's parts) is then
     allocated and filled from `template`, its unsharded meta copy, shard by shard; with no template
     (a model built whole) it is sharded as it is."""
-    policy = mixed_precision(device)
+    policy = mixed_precision(precision)
     if template is None:
         rank_model.to(device)
     for chunk in chunks:
@@ -96,7 +98,7 @@ class FullyShardedEngine(DataParallelEngine):
     A model on the meta device is sliced and sharded first and then filled shard by shard
     (fill_shards); a built one is sharded as it is."""
 
-    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
+    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
         self.info, self.layout = info, layout
         on_meta = any(p.is_meta for p in model.parameters())
         template = copy.deepcopy(model) if on_meta else None  # meta: costs nothing
@@ -104,7 +106,7 @@ class FullyShardedEngine(DataParallelEngine):
         self.shards = shard_model(model if on_meta else model.to(info.device), layout)
         experts = set(expert_param_names(self.shards))
         ignored = {p for name, p in model.named_parameters() if name in experts}
-        self.model = apply_fsdp(model, layout, info.device, ignored)
+        self.model = apply_fsdp(model, layout, precision, ignored)
         if template is not None:
             self.model.to_empty(device=info.device)
             fill_shards(self.model, template, seed, slice_of=functools.partial(self.shards.local_slice, layout=layout))

@@ -6,10 +6,10 @@ ep, the head-split weights of parallel/tensor.py by tp, and whatever a rank then
 
 Bytes per parameter (what the code does):
   DDP / pp / tp / ep (no fsdp): fp32 weights 4, fp32 grads 4, AdamW exp_avg + exp_avg_sq 8; DDP adds its
-    fp32 gradient buckets (4, gradient_as_bucket_view is off); on CUDA the bf16 autocast copies of the
-    weights are kept for backward (2).
+    fp32 gradient buckets (4, gradient_as_bucket_view is off); in bf16 (train.precision; auto: on CUDA)
+    the autocast copies of the weights are kept for backward (2).
   FSDP2 (parallel/fsdp.py): the fp32 sharded weights, grads and AdamW state (16 / fsdp); transient:
-    the largest unit all-gathered (bf16 on CUDA, fp32 on CPU) twice (prefetch) plus its unsharded fp32
+    the largest unit all-gathered (in the precision: bf16 or fp32) twice (prefetch) plus its unsharded fp32
     gradient before the reduce-scatter. Under ep the routed experts' ep slices stay out of fully_shard
     (16 per parameter, bf16 autocast copies 2). Under pp (shard_pipeline_chunks) parameters stay
     gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
@@ -22,7 +22,7 @@ Bytes per parameter (what the code does):
     parameters on CUDA and one parameter's on CPU; it runs after backward, when activations are gone.
 
 Activations: elements saved for backward per token, per sublayer kind (`sublayer_elements`), in the
-activation dtype (`a`: fp32 on CPU, bf16 under CUDA autocast) or forced fp32 (`f`). The counts were
+activation dtype (`a`: bf16 under autocast, else fp32) or forced fp32 (`f`). The counts were
 taken from the code (which op keeps which output for backward) and checked op by op with
 scripts/bench_memory.py's storage tracker at model=m; the CPU column is the reference kernels (KDA's
 torch chunk form, SDPA's math path with its T x T probabilities), the CUDA column fla's chunk_kda and
@@ -33,7 +33,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from model.config import ModelConfig
+from parallel.dims import resolve_precision
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -324,10 +327,12 @@ def in_flight_microbatches(layout: LayoutSpec, microbatches: int) -> float:
 
 def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int, microbatches: int, mode: str,
          device: str = "cuda", capacity: float = 1.25, runtime_bytes: float = 0,
-         counts: list[ParamCount] | None = None, stage: int | None = None) -> Plan:
-    """The memory of pipeline rank `stage`, or of the largest one (most parameters + activations)."""
+         counts: list[ParamCount] | None = None, stage: int | None = None, precision: str = "auto") -> Plan:
+    """The memory of pipeline rank `stage`, or of the largest one (most parameters + activations).
+    `device` picks the kernels (and gloo's staging copies on CPU), `precision` (train.precision) the dtypes."""
     cuda = device == "cuda"
-    act = 2 if cuda else 4
+    bf16 = resolve_precision(precision, torch.device(device)) == torch.bfloat16
+    act = 2 if bf16 else 4
     counts = counts or count_rank_parameters(cfg, layout)
     tokens = micro_batch * seq_len / layout.tp  # sequence parallelism: every rank holds T/tp tokens
     ep_capacity = capacity if layout.ep > 1 else 1.0
@@ -349,19 +354,19 @@ def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int
         state = sharded / shard + plain
         p.param_bytes, p.grad_bytes, p.optimizer_bytes = 4 * state, 4 * state, 8 * state
         if shard > 1:
-            gathered = 2 if cuda else 4
+            gathered = 2 if bf16 else 4
             if layout.pp > 1:  # reshard_after_forward=False and one reduce-scatter per step: all of it, all step
                 p.transient_bytes = (gathered + 4) * sharded
             else:
                 p.transient_bytes = (2 * gathered + 4) * count.largest_unit
             if not cuda:  # gloo stages a full-size copy of an all-gather's output and a reduce-scatter's input
                 p.transient_bytes += (gathered + 4) * count.largest_unit
-            p.autocast_copy_bytes = 2 * plain if cuda else 0
+            p.autocast_copy_bytes = 2 * plain if bf16 else 0
         else:
             if layout.dp > 1:
                 # DDP ignores expert slices under ep (they average over their own ranks)
                 p.ddp_bucket_bytes = 4 * (count.rank - (count.routed_experts if layout.ep > 1 else 0))
-            if cuda:
+            if bf16:
                 p.autocast_copy_bytes = 2 * count.rank
         p.optimizer_step_bytes = 4 * state if cuda else 0
         p.host_start_bytes = 4 * count.largest_unit  # parallel.fill: one init unit at a time, every layout
@@ -424,7 +429,8 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8
 
 
 def search(cfg_full, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: int, micro_batch: int,
-           global_batch: int, device: str = "cuda", capacity: float = 1.25) -> list[tuple[Plan, str | None]]:
+           global_batch: int, device: str = "cuda", capacity: float = 1.25,
+           precision: str = "auto") -> list[tuple[Plan, str | None]]:
     """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
     stages (bubble and message traffic), then least recomputation (none < selective < full), then least
     tensor parallelism, then the most memory left. Each with the trainer's refusal (None: runs today)."""
@@ -443,7 +449,7 @@ def search(cfg_full, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: i
             cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes)
         for mode in MODES:
             p = plan(cfg, layout, seq_len=seq_len, micro_batch=micro_batch, microbatches=microbatches, mode=mode,
-                     device=device, capacity=capacity, counts=cache[key])
+                     device=device, capacity=capacity, counts=cache[key], precision=precision)
             if p.total_bytes <= budget:
                 fitting.append(p)
     order = {"none": 0, "selective": 1, "full": 2}

@@ -156,7 +156,7 @@ class DataParallelEngine:
 
 class PipelineEngine:
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int,
-                 seq_len: int, microbatches: int, seed: int):
+                 seq_len: int, microbatches: int, seed: int, precision: torch.dtype):
         from parallel.pipeline.plan import PipelinePlan
         from parallel.pipeline.runner import PipelineRunner, keep_rank_parts
 
@@ -173,7 +173,7 @@ class PipelineEngine:
             on_meta = any(p.is_meta for p in model.parameters())
             shard_chunks = functools.partial(shard_pipeline_chunks, rank_model=model,
                                              template=copy.deepcopy(model) if on_meta else None,
-                                             layout=layout, device=info.device, seed=seed)
+                                             layout=layout, device=info.device, precision=precision, seed=seed)
         else:
             self.shards = materialise_and_shard(model, info, layout, seed)
             model = model.to(info.device)
@@ -233,18 +233,20 @@ class PipelineEngine:
 
 
 def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int, seq_len: int,
-                 microbatches: int, activation_checkpointing: str = "none", seed: int = 0):
+                 microbatches: int, activation_checkpointing: str = "none", seed: int = 0,
+                 precision: torch.dtype = torch.float32):
     """`model` may be on the meta device (build_model(cfg, device="meta")): each engine allocates and
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
-    materialised keep their values."""
+    materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
+    parameter dtype; the forward's autocast is the caller's."""
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.fsdp > 1 and layout.pp == 1:
         from parallel.fsdp import FullyShardedEngine
 
-        return FullyShardedEngine(model, info, layout, seed)
+        return FullyShardedEngine(model, info, layout, seed, precision)
     if layout.pp == 1:
         return DataParallelEngine(model, info, layout, seed)
-    return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed)
+    return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
 
 
 def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:

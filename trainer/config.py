@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kernels.select import IMPLS, triton_refusal
 from model.config import STREAM_VARIANTS, VARIANTS, ModelConfig
 from model.init import INIT_SCHEMES
+from parallel.dims import PRECISIONS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -51,6 +52,7 @@ class TrainConfig:
     allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
     activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/checkpointing.py)
     compile: bool = False             # torch.compile each transformer block (parallel/compile.py)
+    precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp32; parallel/dims.py
     peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)
     trainable: str = "all"            # all | residual (depth reads only) | norms (RMSNorm gains only); trainer/retrofit.py
     unfreeze_after: int | None = None  # every parameter trains after this many steps; null: never
@@ -132,6 +134,7 @@ CHOICES = {
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "train.activation_checkpointing": ("none", "full", "selective"),
+    "train.precision": PRECISIONS,
     "train.trainable": ("all", "residual", "norms"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from model import build_model
 from model.flops import training_flops_per_token
 from parallel.compile import apply_compile
-from parallel.dims import DistInfo, build_layout, barrier
+from parallel.dims import DistInfo, build_layout, barrier, resolve_precision
 from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
 from trainer.checkpoint import (META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, read_meta,
@@ -105,10 +105,12 @@ class Trainer:
         self._check_resume_target()
         self._open_data()
         torch.manual_seed(cfg.seed)  # identical random streams on every rank
+        self.precision = resolve_precision(train.precision, info.device)
         # Built on meta: each engine materialises only this rank's part, with the weights one process
         # would have for cfg.seed (model.init).
         self.engine = build_engine(build_model(cfg, device="meta"), info, self.layout, parallel, train.micro_batch,
-                                   train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed)
+                                   train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed,
+                                   precision=self.precision)
         self.model = self.engine.model
         if train.compile:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
@@ -357,7 +359,8 @@ class Trainer:
         resumed = f", resumed from {self.resumed_from}" if self.resumed_from else ""
         log.print(f"run {self.run_dir}: model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks "
                   f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
-                  f"world={info.world_size} ({info.backend or 'single process'}, {info.device}; "
+                  f"world={info.world_size} ({info.backend or 'single process'}, {info.device}, "
+                  f"{'bf16' if self.precision == torch.bfloat16 else 'fp32'}; "
                   f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) pp={self.layout.pp} tp={self.layout.tp} "
                   f"ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
@@ -396,8 +399,8 @@ class Trainer:
         log.log({"step": self.step, "pp_comm": report})
 
     def _autocast(self):
-        if self.info.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.precision == torch.bfloat16:
+            return torch.autocast(self.info.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def train_step(self) -> dict:

@@ -4,6 +4,7 @@ import torch
 
 from model import build_model
 from model.params import count_parameters
+from parallel.dims import resolve_precision
 from trainer.config import CONFIG_DIR, ConfigError, load_config
 
 MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
@@ -51,6 +52,7 @@ def test_every_model_and_variant_composes(model, variant):
     ("model.moe.bias_update_rate=-1e-2", "model.moe.bias_update_rate=-0.01 must be a finite number >= 0"),
     ("seed=-1", "seed=-1 must be >= 0"),
     ("++parallel.ep=0", "parallel.ep=0 must be positive"),
+    ("train.precision=fp16", "train.precision='fp16' is not valid; allowed: auto | bf16 | fp32"),
 ])
 def test_invalid_value_fails_with_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as error:
@@ -58,6 +60,16 @@ def test_invalid_value_fails_with_one_clear_line(override, fragment):
     message = str(error.value)
     assert fragment in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("precision, device, dtype", [
+    ("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16),
+    ("bf16", "cpu", torch.bfloat16), ("fp32", "cuda", torch.float32),
+])
+def test_precision_auto_is_bf16_on_cuda_and_fp32_elsewhere(precision, device, dtype):
+    assert load_config().train.precision == "auto"
+    assert resolve_precision(load_config([f"train.precision={precision}"]).train.precision,
+                             torch.device(device)) == dtype
 
 
 def test_triton_kernels_on_cpu_are_refused_before_any_work(monkeypatch):
