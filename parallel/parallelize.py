@@ -177,12 +177,15 @@ class PipelineEngine:
         else:
             self.shards = materialise_and_shard(model, info, layout, seed)
             model = model.to(info.device)
+        # The stages' messages travel in the residual stream's dtype, the embedding's: FSDP's gathered
+        # parameter dtype, else the parameters' own (autocast leaves the embedding in fp32).
+        stream_dtype = precision if layout.fsdp > 1 else next(model.parameters()).dtype
         # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
         tp = layout.tp
         self.runner = PipelineRunner(model, self.plan, layout.pp_rank, layout.pp_group,
                                      info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len // tp,
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp,
-                                     shard_chunks=shard_chunks)
+                                     shard_chunks=shard_chunks, message_dtype=stream_dtype)
         self.model = self.runner.rank_model
         # Ranks whose forwards talk across data ranks (FSDP's all-gathers, the experts' all-to-all)
         # evaluate in lockstep.
@@ -194,8 +197,7 @@ class PipelineEngine:
         return local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
-        with autocast():
-            loss = self.runner.step(*self._local(micro_batches))
+        loss = self.runner.step(*self._local(micro_batches), autocast)
         # FSDP's reduce-scatter already averaged over every data rank (replicas and shards).
         finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.layout.fsdp > 1)
         return _all_reduce(_all_reduce(loss, self.layout.tp_group), self.layout.dp_group) / self.layout.dp
@@ -209,8 +211,7 @@ class PipelineEngine:
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         for group, counted in rank_share(groups, self.layout, self.lockstep):
-            with autocast():
-                loss = _all_reduce(self.runner.eval(*self._local(group)), self.layout.tp_group)
+            loss = _all_reduce(self.runner.eval(*self._local(group), autocast), self.layout.tp_group)
             if counted:
                 count = sum(t.numel() for _, t in group)
                 loss_sum += loss.item() * count
@@ -238,7 +239,7 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     """`model` may be on the meta device (build_model(cfg, device="meta")): each engine allocates and
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
     materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
-    parameter dtype; the forward's autocast is the caller's."""
+    parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's."""
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.fsdp > 1 and layout.pp == 1:
         from parallel.fsdp import FullyShardedEngine

@@ -1,6 +1,8 @@
 """Build this rank's pipeline stages and schedule, and run one step or one evaluation through them."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -36,16 +38,18 @@ def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder
 
 class PipelineRunner:
     def __init__(self, model: Decoder, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
-                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn, shard_chunks=None):
+                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn, shard_chunks=None,
+                 message_dtype: torch.dtype | None = None):
         """`shard_chunks(chunks)`, if given, wraps the chunk modules (FSDP2) and materialises them before
-        the stages are built around them."""
+        the stages are built around them. `message_dtype`: what the stages send (the residual stream's
+        dtype; None: the parameters')."""
         self.plan, self.pp_rank, self.pp_group = plan, pp_rank, pp_group
         self.rank_model = keep_rank_parts(model, plan, pp_rank)
+        dtype = message_dtype or next(self.rank_model.parameters()).dtype
         self.cache = DepthCache()
-        self.chunks = [PipelineChunk(self.rank_model, plan, c, self.cache) for c in plan.chunks_of(pp_rank)]
+        self.chunks = [PipelineChunk(self.rank_model, plan, c, self.cache, dtype) for c in plan.chunks_of(pp_rank)]
         if shard_chunks is not None:
             shard_chunks(self.chunks)
-        dtype = next(self.rank_model.parameters()).dtype
         stages = [CachingPipelineStage(chunk, chunk.chunk, plan.n_chunks, device,
                                        input_args=self._example_inputs(chunk.chunk, micro_batch, seq_len, device, dtype),
                                        output_args=self._example_outputs(chunk.chunk, micro_batch, seq_len, device, dtype),
@@ -79,9 +83,12 @@ class PipelineRunner:
         return tuple(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
                      for _ in range(self._message_count(chunk, False)))
 
-    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the microbatches, known on every rank of the pipeline group."""
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
+        """Mean loss over the microbatches, known on every rank of the pipeline group; every stage's
+        forwards run under `autocast()`."""
         losses: list[torch.Tensor] = []
+        for stage in self.stages:
+            stage.autocast = autocast
         self.cache.clear()
         try:
             run(inputs if self.has_first else None, target=targets if self.has_last else None, losses=losses)
@@ -91,12 +98,12 @@ class PipelineRunner:
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds the losses
         return loss
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedule.step, inputs, targets)
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext) -> torch.Tensor:
+        return self._run(self.schedule.step, inputs, targets, autocast)
 
     @torch.no_grad()
-    def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedule.eval, inputs, targets)
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets, autocast)
 
     def measured_bytes_per_token(self) -> dict[int, float]:
         """Bytes per token this rank's chunks actually sent in the last step, by sender chunk."""

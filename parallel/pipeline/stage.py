@@ -16,6 +16,7 @@ rank running chunk k already holds blocks [0, held) from its chunk k-P for the s
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -54,9 +55,10 @@ class DepthCache:
 
 
 class PipelineChunk(nn.Module):
-    def __init__(self, rank_model: Decoder, plan: PipelinePlan, chunk: int, cache: DepthCache):
+    def __init__(self, rank_model: Decoder, plan: PipelinePlan, chunk: int, cache: DepthCache,
+                 message_dtype: torch.dtype):
         super().__init__()
-        self.plan, self.chunk, self.cache = plan, chunk, cache
+        self.plan, self.chunk, self.cache, self.message_dtype = plan, chunk, cache, message_dtype
         self.is_first, self.is_last = chunk == 0, chunk == plan.n_chunks - 1
         self.mixer = rank_model.mixer
         # The chunk's parameters are registered here (the stage module); the forward is the Decoder's own,
@@ -87,7 +89,7 @@ class PipelineChunk(nn.Module):
 
     def _pack(self, state: DepthState) -> tuple[torch.Tensor, ...]:
         if not self.plan.attnres:
-            return (state.partial,)
+            return self._typed([state.partial])
         outgoing = self.plan.transition(self.chunk)
         blocks = list(state.blocks)
         if self.plan.caches_after(self.chunk):
@@ -99,19 +101,31 @@ class PipelineChunk(nn.Module):
                 blocks[i] = AddCachedGrad.apply(blocks[i], kept[i]) if blocks[i].requires_grad else blocks[i]
             self.cache.blocks[(current_microbatch.get(), self.chunk)] = kept
         sent = blocks[outgoing.first_block:outgoing.last_block]
-        return tuple(([state.partial] if outgoing.sends_partial else []) + sent)
+        return self._typed(([state.partial] if outgoing.sends_partial else []) + sent)
+
+    def _typed(self, message: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The message in the receive buffers' dtype, the stream's (fp32; bf16 with FSDP2's bf16 parameters):
+        a payload of another dtype would arrive as garbage. Under autocast a block made of sublayer outputs
+        (every block of Full, Block's partial sums) is bf16 while b_0 and the baseline's sum are fp32, and
+        fp32 holds the bf16 values exactly."""
+        return tuple(t.to(self.message_dtype) for t in message)
 
 
 class CachingPipelineStage(PipelineStage):
-    """A PipelineStage that tells its chunk which microbatch it is running (the cache key) and
-    measures the bytes per token of the message it sends."""
+    """A PipelineStage that tells its chunk which microbatch it is running (the cache key), runs its
+    forwards (only) under `autocast` and measures the bytes per token of the message it sends."""
 
     sent_bytes_per_token: float | None = None
+    # Set per step by the runner. The schedule interleaves forwards and backwards, and a backward run under
+    # CPU autocast (the engine runs CPU backwards on the calling thread) would recast its matmuls, e.g.
+    # those of the fp32 router, to bf16: one process runs its backwards outside autocast.
+    autocast = contextlib.nullcontext
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         token = current_microbatch.set(fwd_chunk_id)
         try:
-            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            with self.autocast():
+                output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
             current_microbatch.reset(token)
         if not self.is_last:

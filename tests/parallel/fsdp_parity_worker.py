@@ -1,8 +1,10 @@
-"""Run under torchrun (gloo): one FSDP2 training step vs the same step in one process. Every rank
-gathers its sharded gradients into whole ones and compares them with its own single-process copy,
-then takes one AdamW step and reports its parameter + optimizer-state bytes; rank 0 prints one JSON
-line per case, a CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line.
-On 4 ranks a PIPELINE line: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatters it counts.
+"""Run under torchrun (gloo): one FSDP2 training step vs the same step in one process, in fp32 and (two
+cases on 2 ranks) in bf16: CPU autocast, FSDP2 gathering bf16 parameters. Every rank gathers its
+sharded gradients into whole ones and compares them with its own single-process copy, then takes one
+AdamW step and reports its parameter + optimizer-state bytes; rank 0 prints one JSON line per case, a
+CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line.
+On 4 ranks PIPELINE lines: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatters it counts, in fp32
+(built on meta and whole) and in bf16.
 
     torchrun --nproc-per-node 2 tests/parallel/fsdp_parity_worker.py      # fsdp=2
     torchrun --nproc-per-node 4 tests/parallel/fsdp_parity_worker.py      # dp=2 x fsdp=2 (HSDP), fsdp=2 x tp=2
@@ -29,7 +31,10 @@ MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 CASES = {
     # block_size 4 and 3: AttnRes blocks span 2 and 3 transformer blocks (units of 2 and 3 blocks)
     2: [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s}
-        for v, s in (("baseline", 2), ("full", 1), ("block", 2), ("block", 4), ("block", 3), ("mhc", 2))],
+        for v, s in (("baseline", 2), ("full", 1), ("block", 2), ("block", 4), ("block", 3), ("mhc", 2))]
+       # bf16: FSDP2 gathers bf16 parameters under CPU autocast
+       + [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s, "precision": "bf16"} for v, s in (("baseline", 2),
+                                                                                                ("block", 4))],
     # fsdp=2 x tp=2: FSDP shards of tp slices (block_size 4: units of 2 blocks)
     4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}]
        + [{"dp": 1, "fsdp": 2, "tp": 2, "variant": v, "block_size": s} for v, s in (("baseline", 2), ("block", 4))],
@@ -58,19 +63,60 @@ def adamw_bytes(model) -> int:
     return state_bytes(model, optimizer)
 
 
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def reference_step(cfg, batches, autocast) -> tuple[torch.nn.Module, torch.Tensor]:
+    """One process: the mean loss over `batches`, each forward under `autocast` and its backward after, as
+    the engines run them (one backward over all of them would sum the batches' gradients of autocast's
+    cached bf16 weight copies in bf16)."""
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    losses = []
+    for x, y in batches:
+        with autocast():
+            loss = cross_entropy(reference(x), y)
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
+    return reference, torch.stack(losses).mean()
+
+
+def relative_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """||grads - reference|| / ||reference|| over the whole model (every parameter's gradient as one
+    vector). `grads`: the whole gradients this rank holds, summed over the ranks (pipeline stages hold
+    disjoint parts; ranks holding the same part scale both sums alike)."""
+    squares = torch.stack([sum((g - reference[name]).pow(2).sum() for name, g in grads.items()),
+                           sum(reference[name].pow(2).sum() for name in grads)])
+    dist.all_reduce(squares)
+    return (squares[0] / squares[1]).sqrt().item()
+
+
+def references(cfg, batches, bf16: bool) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """reference_step in the case's precision; for bf16 also how far one process in bf16 is from fp32
+    (the scale of bf16's own rounding), as {"bf16_vs_fp32": {"loss", "grad"}} (relative)."""
+    if not bf16:
+        return *reference_step(cfg, batches, contextlib.nullcontext), {}
+    reference, loss = reference_step(cfg, batches, bf16_autocast)
+    fp32, fp32_loss = reference_step(cfg, batches, contextlib.nullcontext)
+    fp32_grads = {name: p.grad for name, p in fp32.named_parameters()}
+    grad = relative_error({name: p.grad for name, p in reference.named_parameters()}, fp32_grads)
+    return reference, loss, {"bf16_vs_fp32": {"loss": abs(loss.item() / fp32_loss.item() - 1), "grad": grad}}
+
+
 def run_case(case: dict, info: DistInfo) -> dict:
+    """`precision` bf16: FSDP2 gathers bf16 parameters (reducing in fp32) under CPU autocast, against one
+    process under the same autocast (fp32 parameters; also against one process in fp32, as a scale)."""
     cfg = load_config(["model=xs", f"variant={case['variant']}", f"variant.block_size={case['block_size']}"])
+    bf16 = case.get("precision") == "bf16"
+    autocast = bf16_autocast if bf16 else contextlib.nullcontext
     data_ranks = case["dp"] * case["fsdp"]
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (data_ranks * MICROBATCHES * MICRO_BATCH, SEQ + 1),
                            generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
 
-    torch.manual_seed(0)
-    reference = build_model(cfg)
-    losses = [cross_entropy(reference(x), y) for x, y in batches]
-    reference_loss = torch.stack(losses).mean()
-    reference_loss.backward()
+    reference, reference_loss, scale = references(cfg, batches, bf16)
     reference_grads = {name: p.grad for name, p in reference.named_parameters()}
     reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
     reference_load = [moe.load_counts.clone() for moe in reference.moe_layers()]
@@ -80,53 +126,57 @@ def run_case(case: dict, info: DistInfo) -> dict:
     parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"], tp=tp)
     # Built on meta and filled shard by shard (parallel.fsdp.fill_shards): one process's initial weights.
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
-                          seed=cfg.seed)
+                          seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
     reference_params = dict(reference.named_parameters())
     init_error = max((whole(p.detach(), name, engine) - reference_params[name].detach()).abs().max().item()
                      for name, p in engine.model.named_parameters())
     mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
-    loss = engine.forward_backward(mine, contextlib.nullcontext, None)
+    loss = engine.forward_backward(mine, autocast, None)
     grad_norm = engine.clip_grad_norm(0.0)
     sync_moe_load(engine.model, layout)
     load_error = max([(m.load_counts - r).abs().max().item() for m, r in zip(engine.model.moe_layers(), reference_load)]
                      or [0])
 
+    grads = {name: whole(p.grad, name, engine) for name, p in engine.model.named_parameters()}
     worst, worst_name = 0.0, ""
-    for name, p in engine.model.named_parameters():
-        error = (whole(p.grad, name, engine) - reference_grads[name]).abs().max().item()
+    for name, grad in grads.items():
+        error = (grad - reference_grads[name]).abs().max().item()
         if error > worst:
             worst, worst_name = error, name
 
     result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm),
-                           float(load_error), init_error])
+                           float(load_error), init_error, relative_error(grads, reference_grads)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     units = [[block.index for block in unit] for unit in fsdp.shard_units(engine.model)]
     sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
             "worst_param": worst_name, "grad_norm": grad_norm, "grad_norm_error": result[2].item(),
-            "moe_load_error": result[3].item(), "init_error": result[4].item(), "units": units, "all_params_sharded": sharded}
+            "moe_load_error": result[3].item(), "init_error": result[4].item(), "grad_rel_error": result[5].item(),
+            "reference_loss": reference_loss.item(), "reference_norm": reference_norm, **scale,
+            "units": units, "all_params_sharded": sharded}
 
 
-def pipeline_case(info: DistInfo, on_meta: bool) -> dict:
+def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
     """fsdp=2 x pp=2, interleaved with 2 chunks per rank, built on meta (filled shard by shard) or whole
     (sharded as it is): initial weights, one step's loss,
     gradients and norm against one process, and how many reduce-scatters the step ran (FSDP2's
     foreach_reduce, one per parameter group when the pipeline holds the sync until the last microbatch;
-    one per group and microbatch if it synced every backward)."""
+    one per group and microbatch if it synced every backward). `bf16`: as run_case's, the stages then
+    send bf16 messages (the stream's dtype with bf16 gathered parameters)."""
     cfg = load_config(["model=xs", "variant=block", "variant.block_size=4"])
+    autocast = bf16_autocast if bf16 else contextlib.nullcontext
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (2 * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
-    reference = build_model(cfg)
-    reference_loss = torch.stack([cross_entropy(reference(x), y) for x, y in batches]).mean()
-    reference_loss.backward()
+    reference, reference_loss, scale = references(cfg, batches, bf16)
     reference_params = dict(reference.named_parameters())
+    reference_grads = {name: p.grad for name, p in reference_params.items()}
     reference_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
 
     layout = build_layout(info, 1, 2, 1, 1, 2)
     parallel = ParallelConfig(dp=1, fsdp=2, pp=2, vp=2, schedule="interleaved_1f1b")
     engine = build_engine(build_model(cfg, device="meta" if on_meta else None), info, layout, parallel, MICRO_BATCH,
-                          SEQ, MICROBATCHES, seed=cfg.seed)
+                          SEQ, MICROBATCHES, seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
     init_error = max((whole(p.detach()) - reference_params[name].detach()).abs().max().item()
                      for name, p in engine.model.named_parameters())
     reduces = []
@@ -134,21 +184,24 @@ def pipeline_case(info: DistInfo, on_meta: bool) -> dict:
     _fsdp_param_group.foreach_reduce = lambda *args, **kwargs: reduces.append(1) or original(*args, **kwargs)
     try:
         mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
-        loss = engine.forward_backward(mine, contextlib.nullcontext, None)
+        loss = engine.forward_backward(mine, autocast, None)
     finally:
         _fsdp_param_group.foreach_reduce = original
     grad_norm = engine.clip_grad_norm(0.0)
-    grad_error = max((whole(p.grad) - reference_params[name].grad).abs().max().item()
-                     for name, p in engine.model.named_parameters())
+    grads = {name: whole(p.grad) for name, p in engine.model.named_parameters()}
+    grad_error = max((g - reference_grads[name]).abs().max().item() for name, g in grads.items())
     groups = sum(len(module._get_fsdp_state()._fsdp_param_groups) for chunk in engine.runner.chunks
                  for module in chunk.modules() if isinstance(module, FSDPModule))
     result = torch.tensor([abs(loss.item() - reference_loss.item()), grad_error, abs(grad_norm - reference_norm),
                            init_error])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
-    return {"on_meta": on_meta, "loss_error": result[0].item(), "grad_error": result[1].item(),
-            "grad_norm_error": result[2].item(), "init_error": result[3].item(), "reduce_scatters": len(reduces),
-            "param_groups": groups, "microbatches": MICROBATCHES, "all_params_sharded": sharded}
+    return {"on_meta": on_meta, **({"precision": "bf16"} if bf16 else {}), "loss_error": result[0].item(),
+            "grad_error": result[1].item(), "grad_rel_error": relative_error(grads, reference_grads),
+            "grad_norm_error": result[2].item(), "init_error": result[3].item(),
+            "reference_loss": reference_loss.item(), "reference_norm": reference_norm, "reduce_scatters": len(reduces),
+            "param_groups": groups, "microbatches": MICROBATCHES, "all_params_sharded": sharded, **scale,
+            "comm": engine.comm_report(), "d_model": cfg.model.d_model}
 
 
 def cut_read_blocks_control(info: DistInfo) -> dict:
@@ -184,7 +237,8 @@ def main() -> None:
     results = [run_case(case, info) for case in CASES[info.world_size]]
     control = cut_read_blocks_control(info)
     usage = memory(info)
-    pipelines = [pipeline_case(info, on_meta) for on_meta in (True, False)] if info.world_size == 4 else []
+    pipelines = ([pipeline_case(info, on_meta) for on_meta in (True, False)] + [pipeline_case(info, True, bf16=True)]
+                 if info.world_size == 4 else [])
     if info.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)

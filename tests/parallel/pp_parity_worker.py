@@ -1,6 +1,8 @@
 """Run under torchrun (gloo, P processes): one training step under pipeline parallelism vs the same
 step in one process, for many layouts in one launch. Every rank checks the gradients of the
-parameters it holds against its own single-process copy; rank 0 prints one JSON line per case."""
+parameters it holds against its own single-process copy; rank 0 prints one JSON line per case. On 2
+processes three more cases ("precision": "bf16"): the trainer's pipeline engine at train.precision=bf16
+(CPU autocast) against one process under the same autocast."""
 import json
 import sys
 
@@ -8,11 +10,13 @@ import torch
 import torch.distributed as dist
 
 from model import build_model
-from parallel.parallelize import cross_entropy
+from parallel.dims import DistInfo, build_layout
+from parallel.parallelize import build_engine, cross_entropy
 from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.runner import PipelineRunner
 from parallel.pipeline.stage import AddCachedGrad
-from trainer.config import load_config
+from trainer.config import ParallelConfig, load_config
+from fsdp_parity_worker import bf16_autocast, reference_step, relative_error  # torchrun runs from this directory
 
 MICRO_BATCH, SEQ = 2, 12
 
@@ -59,11 +63,38 @@ def run_case(case: dict, rank: int) -> dict:
             "vectors_per_token": plan.sent_vectors()}
 
 
+def bf16_case(variant: str, extra: list[str], info: DistInfo) -> dict:
+    """pp=2, vp=2 with the block cache, built as the trainer builds it (build_engine, precision bf16), one
+    step under CPU autocast: the loss and this rank's gradients against one process under the same
+    autocast (relative, whole model), and the bytes per token each transition sent."""
+    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={variant}", *extra])
+    microbatches = 4
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.model.vocab_size, (microbatches * MICRO_BATCH, SEQ + 1), generator=generator)
+    batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
+    reference, reference_loss = reference_step(cfg, batches, bf16_autocast)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    layout = build_layout(info, 1, 2)
+    parallel = ParallelConfig(pp=2, vp=2, schedule="interleaved_1f1b", pp_cache=True)
+    engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, microbatches,
+                          seed=cfg.seed, precision=torch.bfloat16)
+    loss = engine.forward_backward(batches, bf16_autocast, None)
+    grads = {name: p.grad for name, p in engine.model.named_parameters()}
+    return {"precision": "bf16", "pp": 2, "vp": 2, "schedule": "interleaved_1f1b", "cache": True, "variant": variant,
+            "extra": extra, "loss_error": abs(loss.item() - reference_loss.item()),
+            "reference_loss": reference_loss.item(), "grad_rel_error": relative_error(grads, expected),
+            "comm": engine.comm_report(), "d_model": cfg.model.d_model}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, pp = dist.get_rank(), dist.get_world_size()
     results = [run_case(case, rank) for case in cases(pp)]
+    info = DistInfo(rank, pp, 0, torch.device("cpu"), "gloo")
+    bf16 = [bf16_case(variant, extra, info) for variant, extra in
+            (("baseline", []), ("full", []), ("block", ["variant.block_size=3"]))] if pp == 2 else []
     # Negative control: without the cached-gradient path the parity must break.
     original = AddCachedGrad.backward
     AddCachedGrad.backward = staticmethod(lambda ctx, grad: (grad, None))
@@ -73,7 +104,7 @@ def main() -> None:
     finally:
         AddCachedGrad.backward = original
     if rank == 0:
-        for result in results:
+        for result in results + bf16:
             print("CASE " + json.dumps(result))
         print("CONTROL " + json.dumps(control))
     dist.destroy_process_group()
