@@ -1,6 +1,7 @@
-"""The trainer: exact resume (single process and DDP), DDP == single process, crash recovery,
-non-finite steps, and refusals that name what is wrong."""
+"""The trainer: exact resume (single process and DDP, fp32 and bf16), checkpoints across precisions, DDP ==
+single process, crash recovery, non-finite steps, and refusals that name what is wrong."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -24,17 +25,59 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
 
 
+BF16 = {"train.precision": "bf16"}
+# bf16 against fp32 on the mean loss of the same weights and batch (128 tokens): measured 1.5e-6-1.7e-4
+# relative (the larger where a near-tied router score moves a token's experts), the two precisions' training
+# drifting apart to 2.3e-4 within 4 steps of the checkpoint; held to u / 4 = 9.8e-4 (u = 2^-8, bf16's unit
+# roundoff), 4x the worst. Resumed with fresh AdamW moments instead, the next step's loss moved by 3.1e-2.
+CROSS_PRECISION_REL = torch.finfo(torch.bfloat16).eps / 2 / 4
+
+
+def assert_continues(moved, reference, steps) -> None:
+    """A run resumed in the other precision continues the uninterrupted run: its checkpoint's fp32 master
+    weights and AdamW state loaded."""
+    found, expected = losses(moved), losses(reference)
+    assert sorted(found) == sorted(expected)
+    for step in steps:
+        assert found[step] == pytest.approx(expected[step], rel=CROSS_PRECISION_REL), (moved.name, step)
+
+
 def test_stop_and_resume_gives_the_uninterrupted_losses_bitwise(tmp_path, tiny_dataset):
+    """fp32 (train.precision=auto on CPU); its step-4 checkpoint also continues in bf16."""
     train(fast_train_overrides(tmp_path / "straight", tiny_dataset, steps=8))
     train(fast_train_overrides(tmp_path / "resumed", tiny_dataset, steps=8, **{"train.stop_after": 4}))
     assert latest_checkpoint(tmp_path / "resumed").name == "step_00000004"
     assert max(losses(tmp_path / "resumed")) == 4
+    shutil.copytree(tmp_path / "resumed", tmp_path / "in_bf16")
     train(fast_train_overrides(tmp_path / "resumed", tiny_dataset, steps=8))
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(straight) == sorted(resumed) == list(range(1, 9))
     assert straight == resumed  # bitwise: float equality of every step's loss
     val = lambda d: [r["val_loss"] for r in metrics(d) if "val_loss" in r]  # noqa: E731
     assert val(tmp_path / "straight") == val(tmp_path / "resumed")
+    train(fast_train_overrides(tmp_path / "in_bf16", tiny_dataset, steps=8, **BF16))
+    assert "(single process, cpu, bf16;" in (tmp_path / "in_bf16" / "train.log").read_text()
+    assert_continues(tmp_path / "in_bf16", tmp_path / "straight", steps=range(5, 9))
+
+
+def test_bf16_loss_falls_and_resumes_bitwise_and_its_checkpoint_continues_in_fp32(tmp_path, tiny_dataset):
+    """train.precision=bf16 on CPU: autocast, fp32 master weights; 3 steps, stop, 3 more == 6 straight."""
+    straight, resumed, in_fp32 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "in_fp32"
+    trainer = Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=6, **BF16)), init_distributed())
+    trainer.fit()
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert "(single process, cpu, bf16;" in (straight / "train.log").read_text()
+    loss = losses(straight)
+    assert loss[6] < loss[1] - 1.0  # measured 6.70 -> 4.47
+    train(fast_train_overrides(resumed, tiny_dataset, steps=6, **BF16, **{"train.stop_after": 3}))
+    shutil.copytree(resumed, in_fp32)
+    train(fast_train_overrides(resumed, tiny_dataset, steps=6, **BF16))
+    assert losses(resumed) == loss  # bitwise
+    val = lambda d: [r["val_loss"] for r in metrics(d) if "val_loss" in r]  # noqa: E731
+    assert val(resumed) == val(straight)
+    train(fast_train_overrides(in_fp32, tiny_dataset, steps=6, **{"train.precision": "fp32"}))
+    assert "(single process, cpu, fp32;" in (in_fp32 / "train.log").read_text()
+    assert_continues(in_fp32, straight, steps=range(4, 7))
 
 
 def test_loss_falls_and_metrics_and_diagnostics_are_written(tmp_path, tiny_dataset):
