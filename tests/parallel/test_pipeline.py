@@ -22,34 +22,32 @@ BF16_U = torch.finfo(torch.bfloat16).eps / 2  # bf16's unit roundoff, 2^-8 (roun
 
 def assert_bf16_like_one_process(case: dict) -> None:
     """pp=2 x vp=2 at train.precision=bf16 against one process under the same CPU autocast. The messages
-    travel in the stream's dtype (fp32: the embedding's), which holds the bf16 blocks exactly, and the depth
-    reads upcast their sources anyway: the baseline's and Full's forwards are one process's bitwise.
-    Block's receiving stage continues a bf16 partial sum in fp32 (fp32 + bf16 promotes): measured 1.2e-5
-    relative on the loss (0.003 u, a mean over 96 tokens), held to u / 16. Gradients: one process sums
-    a bf16 block's gradient in bf16 over its up to 2L = 12 later reads, rounding after each; the pipeline
-    sums the receive buffer's in fp32 and rounds once. Independent roundings of rms u / sqrt(3) add in
-    quadrature: sqrt(12 / 3) u = 2 u on the whole-model gradient. Measured: 0 (baseline: no bf16 block
-    crosses), 1.5e-3 (Full) and 2.0e-3 (Block), 0.4-0.5 u, so 2 u = 7.8e-3 is 4x the worst; a backward
-    under autocast (the pipeline's before its forwards alone were autocast) moved the baseline by 6.7e-4."""
-    if case["variant"] == "block":
-        assert case["loss_error"] < BF16_U / 16 * case["reference_loss"], case
-    else:
-        assert case["loss_error"] == 0, case
-    assert case["grad_rel_error"] < 2 * BF16_U, case
+    travel in the stream's dtype (fp32: the embedding's), which holds the bf16 blocks exactly: the
+    baseline (its fp32 running sum crosses) is one process's bitwise, loss and gradients. Block's receiving
+    stage continues a bf16 partial sum in fp32 (fp32 + bf16 promotes): measured 1.2e-5 relative on the
+    loss (0.003 u, a mean over 96 tokens), held to u / 16. Its gradients: one process sums a bf16 block's
+    gradient in bf16 over its up to 2L = 12 later reads, rounding after each; the pipeline sums the
+    receive buffer's in fp32 and rounds once. Independent roundings of rms u / sqrt(3) add in quadrature:
+    sqrt(12 / 3) u = 2 u on the whole-model gradient. Measured 2.0e-3 (0.5 u; Full: 1.5e-3), so 2 u =
+    7.8e-3 is 4x; a backward under autocast (the pipeline's before its forwards alone were autocast)
+    moved the baseline by 6.7e-4."""
     if case["variant"] == "baseline":
-        assert case["grad_rel_error"] == 0, case
-    # fp32 messages: 4 bytes per element although Full's and Block's blocks are bf16 under autocast
+        assert case["loss_error"] == 0 and case["grad_rel_error"] == 0, case
+    else:
+        assert case["loss_error"] < BF16_U / 16 * case["reference_loss"], case
+        assert case["grad_rel_error"] < 2 * BF16_U, case
+    # fp32 messages: 4 bytes per element although Block's blocks are bf16 under autocast
     comm = case["comm"]
     assert comm["measured_bytes_per_token"] == [n * case["d_model"] * 4 for n in comm["vectors_per_token"]], case
 
 
-@pytest.mark.parametrize("pp, expected_cases", [(2, 23), (3, 15)])
+@pytest.mark.parametrize("pp, expected_cases", [(2, 22), (3, 15)])
 def test_one_step_under_pp_equals_one_process(pp, expected_cases):
     cases, control = launch_parity_worker(WORKER, pp)
     assert len(cases) == expected_cases
     assert {(c["vp"], c["schedule"]) for c in cases} >= {(1, "1f1b"), (1, "gpipe"), (2, "interleaved_1f1b")}
     bf16 = [case for case in cases if case.get("precision") == "bf16"]
-    assert [case["variant"] for case in bf16] == (["baseline", "full", "block"] if pp == 2 else [])
+    assert [case["variant"] for case in bf16] == (["baseline", "block"] if pp == 2 else [])
     for case in bf16:
         print(f"pp2 bf16 {case['variant']}: gradient {case['grad_rel_error']:.2e} relative to one process in bf16, "
               f"loss {case['loss_error'] / case['reference_loss']:.2e}")
