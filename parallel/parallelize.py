@@ -103,12 +103,13 @@ class DataParallelEngine:
         self.wrapped = model
         self.lockstep = layout.ep > 1
         if layout.dp > 1:
-            device_ids = [info.device.index] if info.device.type == "cuda" else None
             # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
             # forward: the MoE bias moves the same way everywhere, and syncing would overwrite the
             # per-rank expert load counts between micro-batches.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(self.shards))
-            self.wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=layout.dp_group,
+            # device_ids=None on CUDA too (a single-device module: DDP takes its device, and the batches
+            # are already there), so the CPU tests run the same construction as a GPU job.
+            self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_group,
                                                    forward_sync_buffers=False)
         self.grads_dp_averaged = self.wrapped is not self.model
 

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh without a GPU: the dry run lists every check with its command; a real run
 refuses in one line; the PASS/FAIL lines its Python checks end with judge the right figures."""
+import json
 import math
 import os
 import subprocess
@@ -8,6 +9,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from scripts import bench_inference, bench_kernels
+from scripts.gpu_checks import train_steps
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKS = ["triton_kernels_cuda", "kernel_report", "bench_kernels", "fla_chunk_kda", "grouped_mm", "train_bf16_m", "compiled_decode"]
@@ -67,3 +69,14 @@ def test_bench_inference_summary_fails_when_compiled_tokens_differ():
     compiled["block"] = T(0.084, 0.0042, [3, 5])
     assert bench_inference.summary_line({"eager": eager, "compiled": compiled}).startswith(
         "FAIL compiled_decode tokens differ from eager for block; block_prefill=1.050x")
+
+
+def test_train_steps_finds_device_kernels_only_in_a_trace_that_has_them(tmp_path):
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "cat": "cpu_op"}]}))
+    on_device = tmp_path / "cuda.json"
+    on_device.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "cat": "cpu_op"},
+                                                     {"name": "sm90_xmma_gemm", "cat": "kernel"}]}))
+    assert train_steps._has_cuda_kernels(on_device)
+    assert not train_steps._has_cuda_kernels(cpu_only)
+    assert not train_steps._has_cuda_kernels(tmp_path / "missing.json")

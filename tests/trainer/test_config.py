@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from kernels.select import triton_refusal
+
 from model import build_model
 from model.params import count_parameters
 from parallel.dims import resolve_precision
@@ -80,6 +82,9 @@ def test_triton_kernels_on_cpu_are_refused_before_any_work(monkeypatch):
                                 "TRITON_INTERPRET=1 (the Triton interpreter); use model.kernel_impl=auto or reference")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert load_config(["model.kernel_impl=triton"]).model.kernel_impl == "triton"
+    # What trainer.config asks on a CUDA machine (on_cuda=torch.cuda.is_available()): no refusal, interpreter or not.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_refusal(on_cuda=True) is None
 
 
 def test_sizes_have_the_documented_parameter_counts():
