@@ -412,26 +412,35 @@ def model_fingerprint(model_cfg: ModelConfig) -> str:
 
 
 def _parse_fingerprint(fingerprint: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in fingerprint.split())
+    return dict(item.split("=", 1) for item in fingerprint.split() if "=" in item)
 
 
-def check_compatible(meta: dict, fingerprint: str, path: str | Path = "") -> None:
-    """Raise CheckpointError naming only the differing keys when the checkpoint's model is not this run's."""
-    written = meta.get("model_fingerprint")
+def fingerprint_difference(written: str, fingerprint: str) -> tuple[str, str] | None:
+    """None when `written` and `fingerprint` describe the same model, else each side's `key=value`
+    for only the keys that differ (written, then fingerprint)."""
     if written == fingerprint:
-        return
-    name = f"checkpoint {path}".rstrip()
-    if written is None:
-        raise CheckpointError(f"{name} has no model_fingerprint in its {META_FILE}; cannot tell which model wrote it")
+        return None
     theirs, ours = _parse_fingerprint(written), _parse_fingerprint(fingerprint)
     # A checkpoint written before an option existed (e.g. variant.streams) was built with its default.
     defaults = _parse_fingerprint(model_fingerprint(ModelConfig()))
     theirs = {**{key: defaults[key] for key in ours if key not in theirs and key in defaults}, **theirs}
     differing = [key for key in dict.fromkeys([*theirs, *ours]) if theirs.get(key) != ours.get(key)]
     if not differing:
-        return
+        return None
 
     def show(values: dict[str, str]) -> str:
         return " ".join(f"{key}={values.get(key, '<absent>')}" for key in differing)
 
-    raise CheckpointError(f"{name} was written by {show(theirs)}; this run has {show(ours)}")
+    return show(theirs), show(ours)
+
+
+def check_compatible(meta: dict, fingerprint: str, path: str | Path = "") -> None:
+    """Raise CheckpointError naming only the differing keys when the checkpoint's model is not this run's."""
+    written = meta.get("model_fingerprint")
+    name = f"checkpoint {path}".rstrip()
+    if written is None:
+        raise CheckpointError(f"{name} has no model_fingerprint in its {META_FILE}; cannot tell which model wrote it")
+    difference = fingerprint_difference(written, fingerprint)
+    if difference is not None:
+        theirs, ours = difference
+        raise CheckpointError(f"{name} was written by {theirs}; this run has {ours}")

@@ -5,13 +5,17 @@ Options (key=value):
                   (runs/NAME/checkpoints/step_XXXXXXXX). DCP checkpoints are pickle-based: export
                   only checkpoints you trust.
   out=            (required) the export directory to write; it must not exist or be empty
-  overwrite=false replace an existing export in out
+  overwrite=false replace an existing export in out (a directory holding only an export's files: anything
+                  else in it is refused, never deleted)
 
 Writes, all at once (a temporary directory renamed into place, so a failure leaves nothing half-written):
-  out/model.safetensors  the model's weights and buffers (safetensors: plain tensors, no code)
+  out/model.safetensors  the model's weights and buffers (safetensors: plain tensors, no code); its header
+                         records the step and the trained context (train.seq_len)
   out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
-  out/tokenizer.json     the run's tokenizer, when the run has one
-`python -m trainer.generate model=out prompt=...` then loads only these files.
+  out/tokenizer.json     a copy of the run's tokenizer, when the run has one (a regular file: a symlink
+                         is refused, so a link planted in a run cannot copy its target into the export)
+`python -m trainer.generate model=out prompt=...` then loads only these files, and refuses a config.json
+that no longer matches its model_fingerprint or the context recorded in model.safetensors.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from trainer.checkpoint import CheckpointError, read_meta, resolve_checkpoint
@@ -35,6 +40,10 @@ from trainer.trained import load_trained
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE)
+# The trained context an export without a recorded one (written before exports recorded it) may claim:
+# Kimi Linear's 1M tokens.
+MAX_CONTEXT = 2 ** 20
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -92,13 +101,44 @@ def safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """out may be new, empty, or (with overwrite) an export and nothing else: replacing it removes the
+    whole directory, so a directory holding anything more is refused rather than emptied."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"out={out} is a file; give a directory to create")
     if out.is_dir() and any(out.iterdir()):
         if not (out / MODEL_FILE).is_file():
             raise ExportError(f"out={out} is a non-empty directory that is not an export; pick another out")
+        foreign = sorted(f"{entry.name}/" if entry.is_dir() and not entry.is_symlink() else entry.name
+                         for entry in out.iterdir()
+                         if entry.name not in EXPORT_FILES or (entry.is_dir() and not entry.is_symlink()))
+        if foreign:
+            raise ExportError(f"out={out} holds {', '.join(foreign)} besides an export; an export replaces only "
+                              f"{', '.join(EXPORT_FILES)}: move the rest away or pick another out")
         if not overwrite:
             raise ExportError(f"out={out} already holds an export; pass overwrite=true to replace it")
+
+
+def _check_tokenizer(tokenizer: Path) -> None:
+    """The run's tokenizer.json is copied only when it is a regular file: a symlink would copy whatever it
+    points at (a key, a password file) into an export meant to be shared."""
+    if tokenizer.is_symlink():
+        raise ExportError(f"{tokenizer} is a symlink (to {os.readlink(tokenizer)}); export copies only regular "
+                          "files: replace the link with a copy of the tokenizer")
+    if tokenizer.exists() and not tokenizer.is_file():
+        raise ExportError(f"{tokenizer} is not a regular file; export copies only a regular tokenizer.json")
+
+
+def _copy_regular_file(source: Path, target: Path) -> None:
+    """Copy `source`, refusing a symlink or special file even if one replaced it since _check_tokenizer."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as error:
+        raise ExportError(f"{source} cannot be copied as a regular file ({error.strerror})") from None
+    with os.fdopen(fd, "rb") as reader:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ExportError(f"{source} is not a regular file; export copies only a regular tokenizer.json")
+        with target.open("xb") as writer:
+            shutil.copyfileobj(reader, writer)
 
 
 def _make_tmp(out: Path) -> Path:
@@ -136,12 +176,13 @@ def _write(tmp: Path, out: Path, model: torch.nn.Module, checkpoint: Path, meta:
 
 def _write_files(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
     save_file(safetensors_ready(model.state_dict()), tmp / MODEL_FILE,
-              metadata={"format": "pt", "step": str(meta.get("step"))})
+              metadata={"format": "pt", "step": str(meta.get("step")),
+                        "seq_len": str(meta["config"]["train"]["seq_len"])})
     described = {"config": meta["config"], "step": meta.get("step"), "source": str(checkpoint.resolve()),
                  "model_fingerprint": meta.get("model_fingerprint")}
     (tmp / CONFIG_FILE).write_text(json.dumps(described, indent=2) + "\n")
     if tokenizer.is_file():
-        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        _copy_regular_file(tokenizer, tmp / TOKENIZER_FILE)
 
 
 def export(checkpoint: str, out: str, overwrite: bool = False) -> str:
@@ -151,6 +192,7 @@ def export(checkpoint: str, out: str, overwrite: bool = False) -> str:
     out_dir = Path(out)
     _check_out(out_dir, overwrite)
     tokenizer = run_dir_of(path) / TOKENIZER_FILE
+    _check_tokenizer(tokenizer)
     tmp = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
     try:
         model = load_trained(path).model
@@ -175,13 +217,36 @@ def read_export_config(export_dir: Path) -> dict:
     return described
 
 
+def _unreadable(file: Path, error: Exception) -> ExportError:
+    return ExportError(f"{file} could not be read ({str(error).splitlines()[0]})")
+
+
+def check_trained_context(export_dir: Path, seq_len: int) -> None:
+    """config.json's train.seq_len (the context generation may fill) must be the one model.safetensors
+    recorded at export: an edited config.json would let generation run past the trained context. An export
+    written before exports recorded it may claim at most MAX_CONTEXT."""
+    file, config = export_dir / MODEL_FILE, export_dir / CONFIG_FILE
+    try:
+        with safe_open(file, "pt") as weights:
+            recorded = (weights.metadata() or {}).get("seq_len")
+    except (OSError, SafetensorError) as error:
+        raise _unreadable(file, error) from None
+    if recorded is None and not 0 < seq_len <= MAX_CONTEXT:
+        raise ExportError(f"{config} has train.seq_len={seq_len}, not a trained context (1 to {MAX_CONTEXT:,} "
+                          "tokens); restore it or re-export with trainer.export")
+    if recorded is not None and recorded != str(seq_len):
+        raise ExportError(f"{config} has train.seq_len={seq_len} but {file} was trained at seq_len={recorded}; "
+                          "restore config.json or re-export with trainer.export")
+
+
 def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
-    """Load model.safetensors into `model` (built from the export's config.json), every tensor required."""
+    """Load model.safetensors into `model` (built from the export's config.json), every tensor required
+    and finite."""
     file = export_dir / MODEL_FILE
     try:
         state = load_file(file)
     except (OSError, SafetensorError) as error:
-        raise ExportError(f"{file} could not be read ({str(error).splitlines()[0]})") from None
+        raise _unreadable(file, error) from None
     expected = model.state_dict()
     missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
@@ -192,6 +257,11 @@ def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
         problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                     for label, names in found if names]
         raise ExportError(f"{file} does not match the model of {CONFIG_FILE} ({'; '.join(problems)})")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ExportError(f"{file}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
+                              f"{tensor.numel():,}; export a checkpoint whose weights are finite")
     model.load_state_dict(state, strict=True)
 
 

@@ -2,7 +2,9 @@
 
 First export a checkpoint of your own run: `python -m trainer.export checkpoint=runs/train out=runs/train/export`.
 Generation loads only the export (model.safetensors + config.json: plain tensors and JSON, nothing that
-runs code), never a training checkpoint, so an export from elsewhere is safe to load.
+runs code), never a training checkpoint, so an export from elsewhere is safe to load. An export whose
+config.json no longer matches its model_fingerprint or the context model.safetensors was trained at, or
+whose weights hold NaN or inf, is refused.
 
 Options (key=value, default after the =):
   model=            (required) an export directory written by trainer.export
@@ -13,7 +15,7 @@ Options (key=value, default after the =):
   temperature=0.0   0 is greedy; > 0 samples from softmax(logits / temperature)
   top_p=1.0         nucleus sampling: keep the most likely tokens up to this mass, in (0, 1]
   prefill_chunk=0   prompt tokens per prefill step (>= 0; 0 prefills the whole prompt at once)
-  seed=0            sampling seed (>= 0)
+  seed=0            sampling seed, in [0, 2**64 - 1]
   compile=False     True: torch.compile the one-token decode step (the first steps compile, then decode
                     is faster; greedy tokens are the same as without)
   variant=          optional: refuse an export of another residual variant (baseline|full|block|mhc)
@@ -32,10 +34,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from model import build_model
 from model.generation import generate
-from trainer.checkpoint import CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR
+from trainer.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR, fingerprint_difference,
+                                model_fingerprint)
 from trainer.config import Config
-from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, load_exported_weights,
-                            parse_key_values, read_export_config, run_cli)
+from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
+                            load_exported_weights, parse_key_values, read_export_config, run_cli)
+
+MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
 
 
 @dataclass
@@ -74,7 +79,7 @@ def validate(args: GenerateArgs) -> tuple[str, str]:
         ("top_p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1]"),
         ("prefill_chunk", args.prefill_chunk, args.prefill_chunk >= 0,
          "must be >= 0 (0 prefills the whole prompt at once)"),
-        ("seed", args.seed, args.seed >= 0, "must be >= 0"),
+        ("seed", args.seed, 0 <= args.seed <= MAX_SEED, f"must be in [0, {MAX_SEED}] (2**64 - 1)"),
     )
     for name, value, allowed, rule in checks:
         if not allowed:
@@ -115,10 +120,27 @@ def export_config(export_dir: Path, variant: str | None) -> Config:
     except OmegaConfBaseException as error:
         raise GenerateError(f"{export_dir / CONFIG_FILE} is not a config of this trainer "
                             f"({str(error).splitlines()[0]}); re-export with this version") from None
+    check_fingerprint(described, cfg, export_dir / CONFIG_FILE)
     if variant is not None and variant != cfg.model.residual.variant:
         raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.variant} "
                             "model; drop variant= or pick an export of that variant")
+    check_trained_context(export_dir, cfg.train.seq_len)
     return cfg
+
+
+def check_fingerprint(described: dict, cfg: Config, file: Path) -> None:
+    """config.json's config must still be the model its model_fingerprint (the trainer's, written at export)
+    names: an edited option (variant.block_size) would load the same weights into another computation."""
+    written = described.get("model_fingerprint")
+    if not isinstance(written, str):
+        raise GenerateError(f"{file} has no model_fingerprint, so its config cannot be checked; re-export with "
+                            "trainer.export")
+    # The trainer's fingerprint: the model's, plus the optimizer (trainer/trainer.py).
+    difference = fingerprint_difference(written, f"{model_fingerprint(cfg.model)} optim={cfg.optim.name}")
+    if difference is not None:
+        fingerprinted, configured = difference
+        raise GenerateError(f"{file} says {configured} but its model_fingerprint says {fingerprinted}: the config "
+                            "was edited after export; restore it or re-export with trainer.export")
 
 
 def load_tokenizer(path: str | None, export_dir: Path):

@@ -129,9 +129,9 @@ def matrix_section(groups: list[Group], out_dir: Path) -> list[str]:
 
 def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) -> Path:
     """Write out_dir/report.md and its PNG figures; returns the report's path."""
+    runs = [Run.load(path) for path in run_dirs]  # a run the report cannot read fails before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [Run.load(path) for path in run_dirs]
     groups = group_runs(runs)
     rows = build_rows(groups)
     seeds = max(len(g.runs) for g in groups)

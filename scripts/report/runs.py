@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
@@ -31,24 +33,86 @@ RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init,
           "bias_rate": lambda cfg: cfg.model.moe.bias_update_rate}
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, problem=lambda row: None) -> list[dict]:
     """The rows of a JSON-lines file ([] when there is none). A last line that does not parse is a
-    run killed mid-write: skipped with a warning. A bad line anywhere else is an error naming it."""
+    run killed mid-write: skipped with a warning. A bad line anywhere else, or a row that parses but
+    that `problem(row)` describes as unusable, is an error naming the file and line."""
     if not path.is_file():
         return []
     numbered = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     rows = []
     for number, line in numbered:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as error:
             if number == numbered[-1][0]:
                 print(f"warning: {path}:{number}: skipped a truncated last line (a run killed mid-write)",
                       file=sys.stderr)
-            else:
-                raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}, column {error.colno}); "
-                                 "fix or delete that line") from None
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON line ({error.msg}, column {error.colno}); "
+                             "fix or delete that line") from None
+        if (reason := problem(row)) is not None:
+            raise ValueError(f"{path}:{number}: {reason}; fix or delete that line")
+        rows.append(row)
     return rows
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What the report reads from a training row (one with a loss): key -> (test, what is allowed, required).
+TRAINING_FIELDS = {
+    "step": (_count, "a whole number >= 0", True),
+    "tokens": (_count, "a whole number >= 0", True),
+    "step_time_s": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number of seconds >= 0", True),
+    "loss": (lambda v: v is None or _number(v), "a number or null", True),
+    "val_loss": (lambda v: v is None or _number(v), "a number or null", False),
+    "moe_load_imbalance": (lambda v: v is None or _number(v), "a number or null", False),
+}
+
+
+def _row_problem(row, fields: dict) -> str | None:
+    """Why `row` is no row the report can read (None when it is): not an object, or a field of `fields`
+    missing or of the wrong kind."""
+    if not isinstance(row, dict):
+        return f"{json.dumps(row)} is not a JSON object"
+    for key, (allowed, what, required) in fields.items():
+        if key not in row:
+            if required:
+                return f"no {key} ({what})"
+        elif not allowed(row[key]):
+            return f"{key}={json.dumps(row[key])} is not {what}"
+    return None
+
+
+def metrics_problem(row) -> str | None:
+    """metrics.jsonl: training rows (with a loss) hold what the report reads; other rows are passed over."""
+    return _row_problem(row, TRAINING_FIELDS if isinstance(row, dict) and "loss" in row else {})
+
+
+def diagnostics_problem(row) -> str | None:
+    return _row_problem(row, {"step": TRAINING_FIELDS["step"]})
+
+
+def read_run_config(path: Path) -> Config:
+    """A run directory's config.yaml as a Config; a malformed one is an error naming the file (and line)."""
+    file = path / "config.yaml"
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(file)))
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
+        raise ValueError(f"{where}: not valid YAML ({error.problem or error.context}); fix it or leave this run "
+                         "out of the report") from None
+    except (yaml.YAMLError, OmegaConfBaseException, OSError) as error:
+        key = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
+        raise ValueError(f"{file}: not a config of this trainer ({key}{str(error).splitlines()[0]}); fix it or "
+                         "leave this run out of the report") from None
 
 
 def measured(value) -> bool:
@@ -105,9 +169,9 @@ class Run:
         path = Path(path)
         if not (path / "config.yaml").is_file():
             raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
-        raw = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path / "config.yaml"))
-        metrics = by_step([r for r in read_jsonl(path / "metrics.jsonl") if "loss" in r])
-        return cls(path, OmegaConf.to_object(raw), metrics, by_step(read_jsonl(path / "diagnostics.jsonl")))
+        config = read_run_config(path)
+        metrics = by_step([r for r in read_jsonl(path / "metrics.jsonl", metrics_problem) if "loss" in r])
+        return cls(path, config, metrics, by_step(read_jsonl(path / "diagnostics.jsonl", diagnostics_problem)))
 
     @property
     def name(self) -> str:

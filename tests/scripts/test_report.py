@@ -197,6 +197,48 @@ def test_a_corrupt_line_elsewhere_is_one_error_naming_file_and_line(tmp_path, ti
     assert error.endswith("); fix or delete that line")
 
 
+def report_error(capsys, run_dir, out) -> str:
+    """compare --report-only on run_dir: exit code 2, one `[compare] error:` line, and no report written."""
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--report-only", str(run_dir), "--out", str(out)])
+    assert exit_info.value.code == 2 and not out.exists()
+    lines = capsys.readouterr().err.splitlines()
+    assert not any("Traceback" in line for line in lines)
+    return lines[-1]
+
+
+@pytest.mark.parametrize("row, line, problem", [
+    ("5", 2, "5 is not a JSON object"),
+    ('{"loss": 5.0, "tokens": 128, "step_time_s": 0.1}', 2, "no step (a whole number >= 0)"),
+    ('{"step": "3", "loss": 5.0, "tokens": 128, "step_time_s": 0.1}', 2, 'step="3" is not a whole number >= 0'),
+    ('{"step": 100000000000000000000000000000, "loss": 5.0, "tokens": 128}', 7,
+     "no step_time_s (a finite number of seconds >= 0)"),
+])
+def test_a_row_the_report_cannot_read_is_one_error_naming_file_and_line(tmp_path, tiny_runs, capsys, row, line,
+                                                                        problem):
+    """Rows that parse as JSON but are no training row (each used to end in a traceback) are refused like a
+    corrupt line: the file, the line and what is wrong."""
+    run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "odd", {})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines.insert(line - 1, row)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert report_error(capsys, run_dir, tmp_path / "report") == (
+        f"[compare] error: {run_dir / 'metrics.jsonl'}:{line}: {problem}; fix or delete that line")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("train:\n  steps: [6\n", ":3: not valid YAML (expected ',' or ']', but got '<stream end>')"),
+    ("model:\n  d_model: wide\n",
+     ": not a config of this trainer (model.d_model: Value 'wide' of type 'str' could not be converted to Integer)"),
+    ("- a list\n", ": not a config of this trainer (Cannot merge DictConfig with ListConfig)"),
+])
+def test_a_malformed_config_yaml_is_one_error_naming_the_file(tmp_path, tiny_runs, capsys, text, problem):
+    run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "odd", {})
+    (run_dir / "config.yaml").write_text(text)
+    assert report_error(capsys, run_dir, tmp_path / "report") == (
+        f"[compare] error: {run_dir / 'config.yaml'}{problem}; fix it or leave this run out of the report")
+
+
 def test_null_losses_are_left_out_of_the_curves(tmp_path, tiny_runs):
     """null is what the trainer writes for a NaN loss (a skipped step) or a non-finite evaluation."""
     run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "nulls", {})

@@ -81,7 +81,6 @@ def test_an_existing_export_is_replaced_only_with_overwrite(run_dir, tmp_path, c
     out = tmp_path / "export"
     out.mkdir()  # an empty directory is fine to write into
     export(str(run_dir), str(out))
-    (out / "note.txt").write_text("mine")
     before = snapshot(out)
 
     assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={out}"]) == (
@@ -99,6 +98,47 @@ def test_a_directory_that_is_not_an_export_is_never_replaced(run_dir, tmp_path, 
     assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={run_dir}", "overwrite=true"]) == (
         f"error: out={run_dir} is a non-empty directory that is not an export; pick another out")
     assert snapshot(run_dir) == before
+
+
+def test_overwrite_refuses_files_an_export_does_not_hold_and_replaces_links_not_their_targets(run_dir, tmp_path,
+                                                                                              capsys):
+    """overwrite=true used to delete everything in out; now anything but an export's own files is refused
+    and kept, and an export file that is a symlink is replaced as a link (its target is left alone)."""
+    out = tmp_path / "export"
+    export(str(run_dir), str(out))
+    (out / "NOTES.md").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "data.txt").write_text("also mine")
+    before = snapshot(out)
+    assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={out}", "overwrite=true"]) == (
+        f"error: out={out} holds NOTES.md, sub/ besides an export; an export replaces only model.safetensors, "
+        "config.json, tokenizer.json: move the rest away or pick another out")
+    assert snapshot(out) == before
+
+    shutil.rmtree(out / "sub")
+    (out / "NOTES.md").unlink()
+    secret = tmp_path / "secret"
+    secret.write_text("do not overwrite")
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(secret)
+    main([f"checkpoint={run_dir}", f"out={out}", "overwrite=true"])
+    assert secret.read_text() == "do not overwrite"
+    assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text())["step"] == 2
+
+
+def test_a_symlinked_tokenizer_is_refused_not_copied(run_dir, tmp_path, capsys):
+    """A run's tokenizer.json pointing at a secret must not put the secret into an export meant to be shared."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    secret = tmp_path / "id_key"
+    secret.write_text("PRIVATE KEY")
+    (run / "tokenizer.json").unlink()
+    (run / "tokenizer.json").symlink_to(secret)
+    out = tmp_path / "export"
+    assert one_line_error(capsys, [f"checkpoint={run}", f"out={out}"]) == (
+        f"error: {run / 'tokenizer.json'} is a symlink (to {secret}); export copies only regular files: replace "
+        "the link with a copy of the tokenizer")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["id_key", "run"]
 
 
 def test_an_unwritable_out_fails_in_one_line(run_dir, tmp_path, capsys):

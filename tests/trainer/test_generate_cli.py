@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from conftest import fast_train_overrides
@@ -142,7 +144,8 @@ def test_run_and_checkpoint_dirs_are_refused_unread(run_dir, tmp_path, capsys, t
     (["top_p=0"], "top_p=0.0 must be in (0, 1]"),
     (["top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
     (["prefill_chunk=-1"], "prefill_chunk=-1 must be >= 0 (0 prefills the whole prompt at once)"),
-    (["seed=-1"], "seed=-1 must be >= 0"),
+    (["seed=-1"], "seed=-1 must be in [0, 18446744073709551615] (2**64 - 1)"),
+    (["seed=99999999999999999999999"], "seed=99999999999999999999999 must be in [0, 18446744073709551615] (2**64 - 1)"),
 ])
 def test_bad_options_are_refused_before_any_file_is_read(capsys, tmp_path, args, message):
     """The model path does not exist: the option, checked first, is what the error names."""
@@ -185,16 +188,67 @@ def test_model_must_be_given_and_be_an_export(export_dir, tmp_path, capsys):
         "(write one with python -m trainer.export)")
 
 
+def edited_copy(export_dir, target, edit):
+    """A copy of the export whose config.json `edit(described)` changed."""
+    shutil.copytree(export_dir, target)
+    described = json.loads((target / "config.json").read_text())
+    edit(described)
+    (target / "config.json").write_text(json.dumps(described))
+    return target
+
+
 def test_weights_that_do_not_match_the_config_are_refused(export_dir, tmp_path, capsys):
-    """strict loading: an export whose config.json describes another model fails in one line."""
-    altered = tmp_path / "altered"
-    shutil.copytree(export_dir, altered)
-    described = json.loads((altered / "config.json").read_text())
-    described["config"]["model"]["n_blocks"] = 5
-    (altered / "config.json").write_text(json.dumps(described))
+    """strict loading: an export whose config.json (and fingerprint) describes another model fails in one line."""
+    def five_blocks(described):
+        described["config"]["model"]["n_blocks"] = 5
+        described["model_fingerprint"] = described["model_fingerprint"].replace("model.n_blocks=4", "model.n_blocks=5")
+
+    altered = edited_copy(export_dir, tmp_path / "altered", five_blocks)
     err = one_line_error(capsys, [f"model={altered}", "prompt=the king", "max_new_tokens=1"])
     assert err.startswith(f"error: {altered / 'model.safetensors'} does not match the model of config.json "
                           "(missing: layers.4.")
+
+
+def test_a_config_edited_after_export_is_refused_by_its_fingerprint(export_dir, tmp_path, capsys):
+    """variant.block_size null -> 4 loads the same weights into another computation (different logits)."""
+    edited = edited_copy(export_dir, tmp_path / "edited",
+                         lambda described: described["config"]["model"]["residual"].update(block_size=4))
+    assert one_line_error(capsys, [f"model={edited}", "prompt=the king", "max_new_tokens=1"]) == (
+        f"error: {edited / 'config.json'} says variant.block_size=4 but its model_fingerprint says "
+        "variant.block_size=None: the config was edited after export; restore it or re-export with trainer.export")
+    unchecked = edited_copy(export_dir, tmp_path / "unchecked", lambda described: described.pop("model_fingerprint"))
+    assert one_line_error(capsys, [f"model={unchecked}", "prompt=the king", "max_new_tokens=1"]) == (
+        f"error: {unchecked / 'config.json'} has no model_fingerprint, so its config cannot be checked; re-export "
+        "with trainer.export")
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(export_dir, tmp_path, capsys):
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(export_dir, poisoned)
+    state = load_file(poisoned / "model.safetensors")
+    name = next(name for name, tensor in state.items() if tensor.is_floating_point())
+    state[name] = torch.full_like(state[name], float("nan"))
+    save_file(state, poisoned / "model.safetensors")
+    assert one_line_error(capsys, [f"model={poisoned}", "prompt=the king", "max_new_tokens=1"]) == (
+        f"error: {poisoned / 'model.safetensors'}: tensor {name} holds {state[name].numel():,} non-finite values "
+        f"(NaN or inf) of {state[name].numel():,}; export a checkpoint whose weights are finite")
+
+
+def test_a_context_beyond_what_the_weights_were_trained_at_is_refused(export_dir, tmp_path, capsys):
+    """train.seq_len is only text in config.json; the export's weights file records the context trained at."""
+    with safe_open(export_dir / "model.safetensors", "pt") as weights:
+        assert weights.metadata()["seq_len"] == "32"
+    stretched = edited_copy(export_dir, tmp_path / "stretched",
+                            lambda described: described["config"]["train"].update(seq_len=10 ** 12))
+    args = ["prompt=the king", "max_new_tokens=40"]
+    assert one_line_error(capsys, [f"model={stretched}", *args]) == (
+        f"error: {stretched / 'config.json'} has train.seq_len=1000000000000 but {stretched / 'model.safetensors'} "
+        "was trained at seq_len=32; restore config.json or re-export with trainer.export")
+    # An export written before the context was recorded: train.seq_len must still be a plausible one.
+    save_file(load_file(stretched / "model.safetensors"), stretched / "model.safetensors")
+    assert one_line_error(capsys, [f"model={stretched}", *args]) == (
+        f"error: {stretched / 'config.json'} has train.seq_len=1000000000000, not a trained context (1 to 1,048,576 "
+        "tokens); restore it or re-export with trainer.export")
 
 
 def test_help_prints_every_option_with_its_default_and_exits_0(capsys):
