@@ -3,21 +3,21 @@
 Triton's own binder turns the launch's arguments into the signature, the constants and the alignment
 hints a launch on a GPU would specialise on (meta tensors have data_ptr 0, so every pointer counts as
 16-byte aligned, as a fresh CUDA allocation is), and `triton.compile` lowers it to PTX and a cubin for
-the target. `ptxas -v` (the one Triton picks for the architecture) then reports registers and spills,
-which the interpreter never shows. Uses `triton.runtime.jit.create_function_from_signature` and
-`JITFunction._pack_args`: not public, read from triton 3.9.
+the target; the log of the `ptxas -v` that Triton runs for it (the ptxas it picks for the architecture)
+reports registers and spills, which the interpreter never shows. Uses
+`triton.runtime.jit.create_function_from_signature`, `JITFunction._pack_args` and the knobs
+`always_compile` / `dump_ptxas_log`: not public, read from triton 3.9.
 """
 from __future__ import annotations
 
-import os
+import contextlib
+import io
 import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
@@ -63,37 +63,36 @@ def _binding(launch: Launch, target: GPUTarget):
     return kernel._pack_args(backend, options, bound, specialization, parsed)
 
 
-def compile_key(launch: Launch, arch: int) -> tuple:
-    """What Triton would cache the launch's binary under: equal keys compile to the same binary."""
-    options, signature, constexprs, attrs = _binding(launch, GPUTarget("cuda", arch, 32))
-    return (launch.name, arch, tuple(signature.items()), tuple(sorted(constexprs.items())),
-            tuple(sorted((k, str(v)) for k, v in attrs.items())), options.num_warps, options.num_stages)
+@dataclass(frozen=True)
+class Compiled:
+    kernel: object        # triton's CompiledKernel (PTX, cubin, metadata)
+    ptxas_log: str        # what `ptxas -v` printed while Triton built the cubin
 
 
-def compile_launch(launch: Launch, arch: int):
-    """The launch compiled for compute capability `arch` (80 or 90): a triton CompiledKernel."""
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    """The launch compiled for compute capability `arch` (80 or 90), always compiled anew (never from
+    Triton's cache), with the log of the ptxas run that built its cubin."""
     if arch not in ARCHS:
         raise ValueError(f"arch={arch} is not one of {sorted(ARCHS)}")
     target = GPUTarget("cuda", arch, 32)
     options, signature, constexprs, attrs = _binding(launch, target)
     source = ASTSource(launch.kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options=options.__dict__)
+    log = io.StringIO()
+    # Triton runs `ptxas -v` itself and prints its log when asked; reading it saves a second ptxas run.
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        kernel = triton.compile(source, target=target, options=options.__dict__)
+    return Compiled(kernel, log.getvalue())
 
 
-def resources(compiled, arch: int) -> Resources:
-    """Registers, spills and stack from `ptxas -v` on the compiled PTX; shared memory and warps from Triton."""
-    with tempfile.TemporaryDirectory() as scratch:
-        ptx = os.path.join(scratch, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        result = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={ARCHS[arch]}", ptx,
-                                 "-o", os.path.join(scratch, "kernel.cubin")],
-                                capture_output=True, text=True, check=True)
-    log = result.stderr + result.stdout
+def resources(compiled: Compiled) -> Resources:
+    """Registers, spills and stack from the `ptxas -v` log; shared memory and warps from Triton."""
+    log = compiled.ptxas_log
     registers = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if registers is None or spills is None:
         raise RuntimeError(f"could not read registers and spills from ptxas -v:\n{log}")
     stack, stores, loads = map(int, spills.groups())
-    return Resources(int(registers.group(1)), stores, loads, stack, compiled.metadata.shared,
-                     compiled.metadata.num_warps)
+    metadata = compiled.kernel.metadata
+    return Resources(int(registers.group(1)), stores, loads, stack, metadata.shared, metadata.num_warps)

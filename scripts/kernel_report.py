@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     spilling, start, records = 0, time.perf_counter(), []
     for config in configs:
         for arch in args.archs:
-            r = resources(compile_launch(config.launch, arch), arch)
+            r = resources(compile_launch(config.launch, arch))
             spilling += r.spills > 0
             used = " ".join(s for s in SIZES if s in config.used_by)
             print(f"| {config.label} | sm_{arch} | {r.registers} | {r.spill_stores} / {r.spill_loads} | "
