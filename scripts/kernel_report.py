@@ -177,12 +177,6 @@ def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _counted(fn, *args) -> int:
-    with _ByteCounter() as counter:
-        fn(*args)
-    return counter.bytes
-
-
 def _forward_and_backward(fn, inputs):
     """Bytes of fn's forward, and of its backward (through a loss that weighs every output by one)."""
     inputs = [x.requires_grad_() for x in inputs]
