@@ -4,7 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.data.documents import TEXT_SUFFIXES
-from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, default_cache_dir, read_manifest
+from trainer.data.format import (
+    MANIFEST_NAME,
+    TOKENIZER_NAME,
+    DataError,
+    default_cache_dir,
+    read_manifest,
+    verify_dataset,
+)
 from trainer.data.prepare import (
     DEFAULT_VOCAB_SIZE,
     GivenTokenizer,
@@ -33,7 +40,8 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
 
     None: the default Shakespeare corpus. Text inputs are prepared into cache_dir keyed by their names,
     sizes and mtimes and by the tokenizer: data.tokenizer's content hash, or else a BPE of vocab_size.
-    A prepared directory or a Megatron prefix is returned as it is.
+    A prepared directory is verified as a cached one is (sha256 of every file, token ids below its vocab)
+    and returned as it is; so is a Megatron prefix, unverified (it records no checksums).
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if path is None:
@@ -42,6 +50,7 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
     if (candidate / MANIFEST_NAME).is_file():
         if tokenizer is not None:
             check_prepared_with(candidate, GivenTokenizer(tokenizer, vocab_size))
+        verify_dataset(candidate)
         return candidate
     prefix = megatron_prefix(candidate)
     if prefix is not None:
@@ -58,7 +67,7 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
 
 def check_prepared_with(dataset_dir: Path, tokenizer: GivenTokenizer) -> None:
     """A prepared dataset named together with data.tokenizer must have been tokenised by that file."""
-    if read_manifest(dataset_dir)["sha256"].get(TOKENIZER_NAME) != tokenizer.sha256:
+    if read_manifest(dataset_dir)["sha256"][TOKENIZER_NAME] != tokenizer.sha256:
         raise DataError(f"data.tokenizer={tokenizer.path} is not the tokenizer {dataset_dir} was prepared with "
                         f"({dataset_dir / TOKENIZER_NAME}); unset data.tokenizer or prepare the text again")
 
