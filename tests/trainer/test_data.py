@@ -33,6 +33,7 @@ from trainer.data import (
     val_batches,
 )
 from trainer.data import documents, prepare
+from trainer.data.documents import Piece
 from trainer.data.prepare import document_batches, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -434,7 +435,7 @@ def test_old_manifest_without_tokenizer_record_is_still_reused(corpus, tmp_path)
 
 
 def test_document_batches_hold_at_least_the_byte_budget():
-    documents = [(f"doc {i}", 100) for i in range(1050)]
+    documents = [Piece(f"doc {i}", 100, True) for i in range(1050)]
     batches = list(document_batches(documents, 10_000))
     assert [len(b) for b in batches] == [100] * 10 + [50]
     assert [d for b in batches for d in b] == documents

