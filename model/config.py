@@ -32,7 +32,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0      # optional sequence-level balance loss
 
 
-VARIANTS = ("baseline", "highway", "full", "block", "mhc", "hc")
+VARIANTS = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 STREAM_VARIANTS = ("mhc", "hc")  # m parallel residual streams: (B, T, d) stage boundaries cannot carry them
 
 

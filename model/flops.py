@@ -34,6 +34,8 @@ def depth_read_flops(cfg: ModelConfig) -> float:
         return cfg.n_sublayers * (4 * m + 2 * m * m) * d
     if r.variant == "baseline":
         return 0.0
+    if r.variant == "x0":  # lambda h + mu v_0 at every read, the final one included
+        return (cfg.n_sublayers + 1) * 3 * d
     if r.variant == "highway":  # the gate's projection (d -> 1 or d), then (1 - g) h + g v
         width = d if r.gate == "elementwise" else 1
         return cfg.n_sublayers * (2 * d * width + 3 * d)

@@ -11,9 +11,9 @@ from model.residual.trace import DepthTrace
 
 def build_mixer(cfg: ModelConfig) -> ResidualMixer:
     r = cfg.residual
-    if r.variant in ("baseline", "highway"):
+    if r.variant in ("baseline", "highway", "x0"):
         return RunningSumResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps,
-                                  gate=r.gate if r.variant == "highway" else None)
+                                  gate=r.gate if r.variant == "highway" else None, embedding_skip=r.variant == "x0")
     if r.variant in ("full", "block"):
         return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r, cfg.block_size, cfg.kernel_impl)
     if r.variant in ("mhc", "hc"):

@@ -38,6 +38,7 @@ class PipelinePlan:
             raise ValueError(f"pp * vp = {pp} * {vp} = {self.n_chunks} chunks is more than model.n_blocks="
                              f"{cfg.n_blocks} transformer blocks; lower parallel.pp or parallel.vp")
         self.attnres = cfg.residual.variant in ("full", "block")  # else one running sum crosses each cut
+        self.sends_embedding = cfg.residual.variant == "x0"  # x0's reads need v_0 beside the sum
         base, extra = divmod(cfg.n_blocks, self.n_chunks)
         sizes = [base + int(c < extra) for c in range(self.n_chunks)]  # earlier chunks take the remainder
         starts = [sum(sizes[:c]) for c in range(self.n_chunks)]
@@ -77,7 +78,7 @@ class PipelinePlan:
     def sent_vectors(self) -> list[int]:
         """Per transition: vectors per token that cross it (baseline: the hidden state)."""
         if not self.attnres:
-            return [1] * (self.n_chunks - 1)
+            return [1 + int(self.sends_embedding)] * (self.n_chunks - 1)
         return [self.transition(c).n_tensors for c in range(self.n_chunks - 1)]
 
     def blocks_per_chunk(self) -> float:

@@ -77,8 +77,8 @@ class PipelineChunk(nn.Module):
         if self.is_first:
             return self.mixer.start(self.embed(message[0]))
         sublayer = self.plan.first_sublayer(self.chunk)
-        if not self.plan.attnres:
-            return DepthState(blocks=[], partial=message[0], next_sublayer=sublayer)
+        if not self.plan.attnres:  # the running sum, then x0's v_0
+            return DepthState(blocks=list(message[1:]), partial=message[0], next_sublayer=sublayer)
         incoming = self.plan.transition(self.chunk - 1)
         partial = message[0] if incoming.sends_partial else None
         received = list(message[int(incoming.sends_partial):])
@@ -89,7 +89,7 @@ class PipelineChunk(nn.Module):
 
     def _pack(self, state: DepthState) -> tuple[torch.Tensor, ...]:
         if not self.plan.attnres:
-            return self._typed([state.partial])
+            return self._typed([state.partial, *state.blocks])
         outgoing = self.plan.transition(self.chunk)
         blocks = list(state.blocks)
         if self.plan.caches_after(self.chunk):

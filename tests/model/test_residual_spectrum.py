@@ -8,7 +8,7 @@ import torch
 from conftest import fast_train_overrides, torchrun
 from model import build_model
 from model.residual import DepthTrace
-from model.residual.baseline import HighwayGate
+from model.residual.baseline import EmbeddingSkip, HighwayGate
 from parallel.dims import init_distributed
 from scripts.depth_matrix import semiseparable_rank
 from test_mhc import connections, naive_mhc_forward
@@ -59,7 +59,7 @@ def test_highway_matches_its_definition_with_random_gates(gate, width):
     torch.testing.assert_close(model(x), naive_highway_forward(model, x), atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["highway", "hc", "denseformer"])
+@pytest.mark.parametrize("variant", ["highway", "hc", "denseformer", "x0"])
 def test_initial_model_computes_the_baselines_function(variant):
     """Highway's g_l = 1/(l+1) keeps the state the running sum / (l+1): equal once the norms' eps is out
     of the way (set to 1e-30 here; at 1e-5 the logits differ by ~1e-3), to the fp32 rounding of the
@@ -94,12 +94,51 @@ def test_denseformer_reads_raw_learned_scalars():
     torch.testing.assert_close(model(tokens()), model.lm_head(model.norm(h)), atol=1e-10, rtol=0)
 
 
+# -- x0 ------------------------------------------------------------------------------------------------
+
+def naive_x0_forward(model, x):
+    """Each read is lambda_l * (running sum) + mu_l * embedding; the sum itself stays plain."""
+    embedding = model.embed(x)
+    h = embedding
+    for read, f in sublayer_fns(model):
+        scale, skip = read.weights
+        h = h + f(scale * h + skip * embedding)
+    scale, skip = model.final_res.weights
+    return model.lm_head(model.norm(scale * h + skip * embedding))
+
+
+def test_x0_matches_its_definition_with_random_scalars_and_starts_as_the_baseline_exactly():
+    model = make("variant=x0")
+    reads = [m for m in model.modules() if isinstance(m, EmbeddingSkip)]
+    assert len(reads) == model.cfg.n_sublayers + 1
+    x = tokens()
+    baseline = make("variant=baseline")
+    share_backbone(model, baseline)
+    assert torch.equal(model(x), baseline(x))  # lambda = 1, mu = 0: bitwise the baseline
+    randomise_residual_parameters(model)
+    torch.testing.assert_close(model(x), naive_x0_forward(model, x), atol=1e-10, rtol=0)
+    assert (model(x) - baseline(x)).abs().max() > 1e-2
+
+
+def test_x0_matrix_adds_mu_to_the_embedding_column_only():
+    """Row l: M[0->l] = lambda_l + mu_l, M[i->l] = lambda_l for 0 < i < l, the same for every token."""
+    model, trace = traced("x0")
+    m = token_matrices(trace)                           # (tokens, L+1, L+1)
+    weights = [read.weights for read, _ in sublayer_fns(model)] + [model.final_res.weights]
+    expected = torch.zeros(len(weights), len(weights), dtype=m.dtype)
+    for row, (scale, skip) in enumerate(weights):
+        expected[row, :row + 1] = scale
+        expected[row, 0] = scale + skip
+    torch.testing.assert_close(m, expected.expand_as(m), atol=1e-12, rtol=0)
+
+
 # -- the depth-mixing matrix ---------------------------------------------------------------------------
 
 SPECTRUM = {
     "baseline": ["variant=baseline"],
     "highway": ["variant=highway"],
     "highway-elementwise": ["variant=highway", "variant.gate=elementwise"],
+    "x0": ["variant=x0"],
     "full": ["variant=full"],
     "block": ["variant=block", "variant.block_size=3"],
     "block-two-phase-sigmoid": ["variant=block", "variant.block_size=2", "variant.kernel=sigmoid"],
@@ -198,7 +237,7 @@ def test_trains_and_resumes_exactly(tmp_path, tiny_dataset, variant):
     assert losses(resumed) == reference
 
 
-@pytest.mark.parametrize("variant", ["highway", "denseformer"])
+@pytest.mark.parametrize("variant", ["highway", "denseformer", "x0"])
 def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset, variant):
     straight, piped = tmp_path / "straight", tmp_path / "piped"
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=3, variant=variant)), init_distributed()).fit()
@@ -226,5 +265,6 @@ def test_depth_read_flops_count_every_variants_residual_arithmetic():
     assert flops("variant=baseline") == 0
     assert flops("variant=highway") == L * (2 * d + 3 * d)
     assert flops("variant=highway", "variant.gate=elementwise") == L * (2 * d * d + 3 * d)
+    assert flops("variant=x0") == (L + 1) * 3 * d
     assert flops("variant=hc") == flops("variant=mhc") == L * (4 * 4 + 2 * 16) * d
     assert flops("variant=denseformer") == flops("variant=full") > 0
