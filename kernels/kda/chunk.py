@@ -7,6 +7,12 @@ delta-rule updates u_j solve the unit lower-triangular system
     A_tj = sum_c k_t[c] k_j[c] exp(G_t[c] - G_j[c]).
 The system's right side is affine in S_0, so the solve (the WY/UT transform) runs for all chunks at
 once before the state is known: u = u_free - w S_0. Only the state hand-off loops over chunks.
+
+Resets (document masking): a reset before token s zeroes the state S_{s-1}. Unrolled, token t then sees
+S_0 only if no reset lies in [0, t] of its chunk, and update j only if none lies in (j, t]: in every term
+above, A_tj (the delta-rule coupling and the output's q-k products) is kept only for j in t's document,
+and exp(G_t) S_0 only for the tokens that continue the carried state's document. The decays of the kept
+terms involve no decay from before the reset, so masking these terms is exact, not an approximation.
 """
 from __future__ import annotations
 
@@ -119,6 +125,31 @@ def _diagonal_blocks(grams: torch.Tensor, n: int) -> torch.Tensor:
     return blocks.diagonal(dim1=-5, dim2=-2).movedim(-1, -4)  # (..., n, sub_t, M, sub_j)
 
 
+def _document_masks(resets: torch.Tensor, n_chunks: int, C: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """From resets (B, T): same_document (B, 1, N, C, C), 1 where tokens t and j of a chunk are in one
+    document, and continues (B, 1, N, C, 1), 1 where token t is in the document of the state the chunk
+    starts from (that of the previous chunk's last token; for the first chunk, initial_state's)."""
+    B, T = resets.shape
+    document = resets.long().cumsum(1)  # (B, T): 0 is initial_state's document
+    # Padded tokens continue the last document (they change no state); index 0 is "before token 0".
+    document = torch.cat([document.new_zeros(B, 1), document,
+                          document[:, -1:].expand(B, n_chunks * C - T)], dim=1)  # (B, 1 + N*C)
+    tokens = document[:, 1:].view(B, n_chunks, C)  # (B, N, C)
+    carried = document[:, :-1:C]  # (B, N): the document of the token before each chunk
+    same_document = tokens.unsqueeze(-1) == tokens.unsqueeze(-2)  # (B, N, C, C)
+    continues = tokens == carried.unsqueeze(-1)  # (B, N, C)
+    return same_document.to(dtype).unsqueeze(1), continues.to(dtype).view(B, 1, n_chunks, C, 1)
+
+
+def _decay_from_start(g_cum: torch.Tensor, continues: torch.Tensor | None) -> torch.Tensor:
+    """exp(G_t), the decay of the chunk's starting state up to t, zero past a reset. Each caller gets its
+    own exp, as before resets existed: one shared tensor would sum its two gradients before the exp's
+    backward and change the last bits of every gradient without resets."""
+    decay = g_cum.exp()  # (B, H, N, C, K)
+    return decay if continues is None else decay * continues
+
+
 def kda_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,10 +160,12 @@ def kda_chunk(
     chunk_size: int = 64,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k, g: (B, T, H, K) with g the log decay (<= 0); v: (B, T, H, V); beta: (B, T, H);
-    initial_state: (B, H, K, V). Returns o (B, T, H, V) in q's dtype and the final state
-    (B, H, K, V, at least fp32) when asked for."""
+    initial_state: (B, H, K, V); resets: (B, T) bool, the state is zeroed before each True token (the
+    start of a document; True at token 0 drops initial_state). Returns o (B, T, H, V) in q's dtype and
+    the final state (B, H, K, V, at least fp32) when asked for."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -154,18 +187,25 @@ def kda_chunk(
     g_end = g_cum[..., -1:, :]  # (B, H, N, 1, K)
     sub = math.gcd(C, SUB_CHUNK)
     grams = _DecayedGram.apply(torch.stack([k, q], dim=-2), k, g_cum, sub)  # (B, H, N, C, 2, C)
+    continues = None
+    if resets is not None:
+        same_document, continues = _document_masks(resets, n_chunks, C, compute)
+        grams = grams * same_document.unsqueeze(-2)
     k_gram, qk_gram = grams.unbind(-2)  # (B, H, N, C, C) each, diagonal included
 
     # WY/UT transform: (I + beta A) [u_free, w] = beta [v, exp(G) k]; then u = u_free - w S_0.
     eye = torch.eye(C, dtype=compute, device=q.device)
     system = eye + beta * k_gram.tril(-1)  # (B, H, N, C, C), unit lower triangular
-    rhs = beta * torch.cat([v, g_cum.exp() * k], dim=-1)  # (B, H, N, C, V+K)
+    rhs = beta * torch.cat([v, _decay_from_start(g_cum, continues) * k], dim=-1)  # (B, H, N, C, V+K)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_free, w = solved.split([V, K], dim=-1)  # (B, H, N, C, V), (B, H, N, C, K)
 
-    q_from_start = q * g_cum.exp()  # (B, H, N, C, K): reads S_0 decayed up to t
+    q_from_start = q * _decay_from_start(g_cum, continues)  # (B, H, N, C, K): reads S_0 decayed up to t
     k_to_end = k * (g_end - g_cum).exp()  # (B, H, N, C, K): writes decayed to the chunk end
     chunk_decay = g_end.squeeze(-2).exp().unsqueeze(-1)  # (B, H, N, K, 1)
+    if resets is not None:  # the state handed on holds the chunk's last document only
+        k_to_end = k_to_end * same_document[..., -1, :].unsqueeze(-1)
+        chunk_decay = chunk_decay * continues[..., -1:, :]
 
     if initial_state is None:
         state = q.new_zeros(B, H, K, V)
