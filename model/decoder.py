@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.documents import refuse_with_cache
 from model.init import InitStds
 from model.layer import TransformerBlock
 from model.moe import MoE
@@ -49,29 +50,39 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, diagnostics: dict | None = None,
                 cache: dict[int, object] | None = None, trace: DepthTrace | None = None,
-                skip: frozenset[int] = frozenset()) -> torch.Tensor:
+                skip: frozenset[int] = frozenset(), document_starts: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). Pass a dict as `diagnostics` to have it filled with
         per-sublayer output RMS and mean depth-attention weights; pass `cache` (new_inference_cache)
         to continue a sequence token by token or chunk by chunk; pass a DepthTrace to have it filled
-        with the depth-mixing matrix M per token; `skip`: sublayers (1..L) that do not run (ReSkip)."""
+        with the depth-mixing matrix M per token; `skip`: sublayers (1..L) that do not run (ReSkip);
+        `document_starts` (B, T) bool (model.documents.document_starts), training only: no token sees an
+        earlier document of its window. Under sequence parallelism it covers the whole sequence the token
+        mixers see, not this rank's slice of `tokens`."""
         if skip and trace is not None:
             raise ValueError("a depth trace of a model with skipped sublayers is not defined")
+        refuse_with_cache(document_starts, cache, "Decoder.forward")
         embedding = self.embed(tokens)
         state = self.mixer.start(embedding)
         state.diagnostics, state.skipped = diagnostics, set(skip)
         if trace is not None:
             self.mixer.start_trace(state, trace, embedding)
-        state = self.forward_layers(state, cache)
+        state = self.forward_layers(state, cache, document_starts=document_starts)
         return self.read_out(state)
 
     def forward_layers(self, state: DepthState, cache: dict[int, object] | None = None,
-                       blocks: Iterable[TransformerBlock] | None = None) -> DepthState:
+                       blocks: Iterable[TransformerBlock] | None = None,
+                       document_starts: torch.Tensor | None = None) -> DepthState:
         """Run `blocks` (default: all of this module's) in order over the depth state: the whole model, or
-        the consecutive blocks of one pipeline chunk (parallel/pipeline/stage.py runs its chunks here)."""
+        the consecutive blocks of one pipeline chunk (parallel/pipeline/stage.py runs its chunks here).
+        `document_starts`: as in forward, for the microbatch the state belongs to."""
         blocks = list(self.layers.values() if blocks is None else blocks)
         state.reads = self.depth_reads(blocks)
         for block in blocks:
-            state = block(state, self.mixer, None if cache is None else cache[block.index])
+            block_cache = None if cache is None else cache[block.index]
+            if document_starts is None:  # today's call, the one parallel/'s wrappers of block.forward take
+                state = block(state, self.mixer, block_cache)
+            else:
+                state = block(state, self.mixer, block_cache, document_starts)
         return state
 
     def read_out(self, state: DepthState) -> torch.Tensor:

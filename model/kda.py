@@ -3,7 +3,8 @@
 q, k, v pass through a depthwise causal short convolution and SiLU; q and k are L2-normalised per
 head. A gated delta rule with a per-channel decay mixes tokens (kernels/kda), and the result is
 RMS-normalised per head and gated by a sigmoid before the output projection. Parameter names follow
-flash-linear-attention's KDA layer so checkpoints map one to one.
+flash-linear-attention's KDA layer so checkpoints map one to one. With document_starts (model/documents.py)
+the convolution and the recurrent state restart at every document start.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from kernels.kda import kda_chunk, kda_recurrent
 from model.config import ModelConfig
+from model.documents import check_document_starts, same_document_window
 from model.init import InitStds
 from model.norms import RMSNorm
 
@@ -35,11 +37,17 @@ class KDAState:
     recurrent: torch.Tensor  # (B, H, K, V), fp32
 
 
-def _short_conv(conv: nn.Conv1d, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _short_conv(conv: nn.Conv1d, x: torch.Tensor, tail: torch.Tensor,
+                window: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution of x (B, T, D) continuing after tail (B, W-1, D), then SiLU.
-    Returns the output (B, T, D) and the new tail (B, W-1, D)."""
+    window (B, T, W) bool, from same_document_window: which inputs of each output's receptive field are
+    in its document; the others count as zero. Returns the output (B, T, D) and the new tail (B, W-1, D)."""
     padded = torch.cat([tail, x], dim=1)  # (B, W-1+T, D)
-    out = conv(padded.transpose(1, 2)).transpose(1, 2)  # (B, T, D)
+    if window is None:
+        out = conv(padded.transpose(1, 2)).transpose(1, 2)  # (B, T, D)
+    else:
+        inputs = padded.unfold(1, conv.kernel_size[0], 1) * window.unsqueeze(2)  # (B, T, D, W)
+        out = (inputs * conv.weight.squeeze(1)).sum(-1)  # (B, T, D): conv1d's sum, term by term
     return F.silu(out), padded[:, padded.shape[1] - tail.shape[1]:]
 
 
@@ -98,21 +106,27 @@ class KimiDeltaAttention(nn.Module):
         return KDAState(conv_q=tail, conv_k=tail.clone(), conv_v=tail.clone(),
                         recurrent=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: KDAState | None = None,
+                document_starts: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, T, d) -> (B, T, d). Without a state: a whole sequence from scratch (training).
         With a state: x holds the T >= 1 tokens that follow it, and the state's fields are replaced
-        by the ones after these tokens."""
+        by the ones after these tokens. document_starts (B, T) bool, training only: no token sees an
+        earlier document."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
+        window = None
+        if document_starts is not None:
+            check_document_starts(document_starts, B, T, state, "KimiDeltaAttention")
+            window = same_document_window(document_starts, self.conv_kernel)  # (B, T, W)
         if state is None:
             empty_tail = x.new_zeros(B, self.conv_kernel - 1, H * K)
             tails = (empty_tail, empty_tail, empty_tail)
         else:
             tails = (state.conv_q, state.conv_k, state.conv_v)
 
-        q, tail_q = _short_conv(self.q_conv1d, self.q_proj(x), tails[0])  # (B, T, H*K)
-        k, tail_k = _short_conv(self.k_conv1d, self.k_proj(x), tails[1])  # (B, T, H*K)
-        v, tail_v = _short_conv(self.v_conv1d, self.v_proj(x), tails[2])  # (B, T, H*K)
+        q, tail_q = _short_conv(self.q_conv1d, self.q_proj(x), tails[0], window)  # (B, T, H*K)
+        k, tail_k = _short_conv(self.k_conv1d, self.k_proj(x), tails[1], window)  # (B, T, H*K)
+        v, tail_v = _short_conv(self.v_conv1d, self.v_proj(x), tails[2], window)  # (B, T, H*K)
         q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
         k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
         v = v.view(B, T, H, K)  # (B, T, H, V)
@@ -121,7 +135,8 @@ class KimiDeltaAttention(nn.Module):
         g = -self.A_log.float().exp().view(H, 1) * dt  # (B, T, H, K), log decay <= 0
 
         if state is None:
-            o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl)
+            o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl,
+                             resets=document_starts)
         elif T == 1:  # decode step: the plain recurrence, no chunk padding
             o, state.recurrent = kda_recurrent(q, k, v, g, beta, self.scale, state.recurrent, True)
         else:  # prefill continuing from the state

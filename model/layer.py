@@ -1,6 +1,7 @@
 """One transformer block: [token mixer, channel mixer], each a sublayer of the residual mixer."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from model.config import ModelConfig
@@ -34,12 +35,14 @@ class TransformerBlock(nn.Module):
             return self.attn.new_cache(batch, device, dtype)
         return self.attn.new_state(batch, device, dtype)
 
-    def forward(self, state: DepthState, mixer: ResidualMixer, cache=None) -> DepthState:
-        """`cache` (from new_cache) continues a sequence: the token mixer reads and extends it."""
+    def forward(self, state: DepthState, mixer: ResidualMixer, cache=None,
+                document_starts: torch.Tensor | None = None) -> DepthState:
+        """`cache` (from new_cache) continues a sequence: the token mixer reads and extends it.
+        `document_starts` (model/documents.py): the token mixer keeps each token inside its document."""
         if state.next_sublayer != self.attn_sublayer:
             raise RuntimeError(f"block {self.index} expects sublayer {self.attn_sublayer}, "
                                f"the depth state is at {state.next_sublayer}")
-        for res, norm, run in ((self.attn_res, self.attn_norm, lambda x: self.attn(x, cache)),
+        for res, norm, run in ((self.attn_res, self.attn_norm, lambda x: self.attn(x, cache, document_starts)),
                                (self.mlp_res, self.mlp_norm, self.mlp)):
             if state.next_sublayer in state.skipped:
                 mixer.skip(state)

@@ -1,5 +1,6 @@
 """Multi-head latent attention as in Kimi Linear: NoPE (nothing is rotated), no query compression,
-and a decode cache that holds only the normalised kv latent plus the shared "rope" slice."""
+and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. With
+document_starts (model/documents.py) the causal mask is block-diagonal: a query sees its own document."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.documents import check_document_starts, same_document_causal_mask
 from model.init import InitStds
 from model.norms import RMSNorm
 
@@ -60,10 +62,14 @@ class MultiHeadLatentAttention(nn.Module):
             rope=torch.zeros(batch, 0, self.rope_dim, device=device, dtype=dtype),
         )
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
-        """x: (B, T, d). With a cache, x holds the tokens that follow the cached ones; the cache is extended."""
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None,
+                document_starts: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, d). With a cache, x holds the tokens that follow the cached ones; the cache is extended.
+        document_starts (B, T) bool, training only: no query sees an earlier document."""
         B, T, _ = x.shape
         H = self.n_heads
+        if document_starts is not None:
+            check_document_starts(document_starts, B, T, cache, "MultiHeadLatentAttention")
         q = self.q_proj(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
         kv_a = self.kv_a_proj(x)  # (B, T, rank + rope)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, rank), (B, T, rope)
@@ -84,6 +90,8 @@ class MultiHeadLatentAttention(nn.Module):
         mask = None
         if past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
+        elif document_starts is not None:
+            mask = same_document_causal_mask(document_starts)  # (B, 1, T, T)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H, T|S, D)
             attn_mask=mask, is_causal=mask is None, scale=self.scale,
