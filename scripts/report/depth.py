@@ -19,7 +19,7 @@ from scripts.report.runs import Group
 from trainer.metrics import entropy
 
 SHARE_SCALE = 0.5  # colour range of the M panel: larger shares (the first reads, one source) saturate
-MAGNITUDE_VARIANTS = ("baseline", "highway", "full", "block", "mhc", "hc")
+MAGNITUDE_VARIANTS = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 
 
 def mean_record(group: Group, key: str) -> dict:
@@ -35,7 +35,7 @@ def mean_record(group: Group, key: str) -> dict:
 
 
 def _plain(group: Group) -> bool:
-    return group.kind in ("baseline", "highway", "mhc", "hc") or group.variant == "full" or group.is_plain_block
+    return group.kind in ("baseline", "highway", "x0", "mhc", "hc") or group.variant == "full" or group.is_plain_block
 
 
 def magnitudes(groups: list[Group], size: str, path: Path) -> Path | None:

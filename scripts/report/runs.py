@@ -25,7 +25,7 @@ from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
 from trainer.config import CONFIG_DIR, Config
 
-VARIANT_ORDER = ("baseline", "highway", "full", "block", "mhc", "hc")
+VARIANT_ORDER = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
 # Recipe fields a comparison may vary on purpose (learning-rate sweeps, the old-initialisation control).

@@ -252,3 +252,12 @@ def test_null_losses_are_left_out_of_the_curves(tmp_path, tiny_runs):
     assert len(run.val_curve) == 1 and run.final_val_loss == final_val_loss(tiny_runs["baseline"])
     text = build_report([run_dir, tiny_runs["block"]], tmp_path / "report", "nulls").read_text()
     assert f"{final_val_loss(tiny_runs['baseline']):.4f}" in text
+
+
+def test_every_residual_variant_has_a_place_in_the_report():
+    """A run of a variant the report does not order (x0 was added after the report) must not crash it."""
+    from model.config import VARIANTS
+    from scripts.report.depth import MAGNITUDE_VARIANTS
+    from scripts.report.runs import VARIANT_ORDER
+
+    assert set(VARIANTS) <= set(VARIANT_ORDER) and set(VARIANTS) <= set(MAGNITUDE_VARIANTS)
