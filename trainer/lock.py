@@ -55,7 +55,7 @@ def _read_holder(path: Path) -> dict:
         return {}
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -136,7 +136,7 @@ class RunDirLock:
             raise RunDirError(f"run.dir={self.run_dir} is marked in use by {_describe(holder)} and this "
                               f"filesystem has no file locks to check it; if that run is gone, delete "
                               f"{self.path}")
-        if holder and _pid_alive(int(holder.get("pid", 0))):
+        if holder and pid_alive(int(holder.get("pid", 0))):
             raise _in_use(self.run_dir, holder)
         self.taken_over = holder or None
         self.path.unlink(missing_ok=True)
@@ -197,7 +197,7 @@ def holder_if_locked(run_dir: Path) -> dict | None:
         return _read_holder(path)
     except OSError:  # no flock here: the record is all there is
         holder = _read_holder(path)
-        alive = holder.get("host") != socket.gethostname() or _pid_alive(int(holder.get("pid", 0)))
+        alive = holder.get("host") != socket.gethostname() or pid_alive(int(holder.get("pid", 0)))
         return holder if holder and alive else None
     finally:
         os.close(fd)

@@ -46,7 +46,7 @@ from trainer.data.format import (
     verify_dataset,
 )
 from trainer.data.progress import byte_progress, log
-from trainer.lock import _pid_alive
+from trainer.lock import pid_alive
 from trainer.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192
@@ -293,7 +293,7 @@ def remove_killed_builds(parent: Path) -> None:
     their pid, now gone); those of live or other hosts' preparations stay."""
     for entry in parent.iterdir():
         owner = BUILD_DIR.fullmatch(entry.name)
-        if (owner is None or owner["host"] != socket.gethostname() or _pid_alive(int(owner["pid"]))
+        if (owner is None or owner["host"] != socket.gethostname() or pid_alive(int(owner["pid"]))
                 or entry.is_symlink() or not entry.is_dir()):
             continue
         shutil.rmtree(entry, ignore_errors=True)
