@@ -177,7 +177,28 @@ def _get(cfg: Config, dotted: str):
     return value
 
 
+# Settings that name a file or directory, with what null means where null is allowed. An empty string
+# would be the current directory (run.dir= trained there; data.path= read every text file under it).
+PATH_KEYS = {
+    "run.dir": None,
+    "data.path": "the built-in Shakespeare corpus",
+    "data.cache_dir": "the default cache",
+    "data.tokenizer": "a BPE trained on the corpus",
+    "init_from": "a fresh initialisation",
+    "resume": None,
+}
+
+
+def _validate_paths(cfg: Config) -> None:
+    for key, null_means in PATH_KEYS.items():
+        value = _get(cfg, key)
+        if value is not None and not value.strip():
+            instead = f", or null for {null_means}" if null_means else ""
+            raise ConfigError(f"{key}={value!r} is empty, which would mean the current directory; give a path{instead}")
+
+
 def validate(cfg: Config) -> Config:
+    _validate_paths(cfg)
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:

@@ -55,6 +55,14 @@ def test_every_model_and_variant_composes(model, variant):
     ("seed=-1", "seed=-1 must be >= 0"),
     ("++parallel.ep=0", "parallel.ep=0 must be positive"),
     ("train.precision=fp16", "train.precision='fp16' is not valid; allowed: auto | bf16 | fp32"),
+    # An empty path would be the current directory (issue 24, cause 2).
+    ("run.dir=", "run.dir='' is empty, which would mean the current directory; give a path"),
+    ("data.path=", "data.path='' is empty, which would mean the current directory; give a path, or null for the "
+                   "built-in Shakespeare corpus"),
+    ("data.cache_dir=' '", "data.cache_dir=' ' is empty"),
+    ("data.tokenizer=", "data.tokenizer='' is empty"),
+    ("init_from=", "init_from='' is empty"),
+    ("resume=", "resume='' is empty"),
 ])
 def test_invalid_value_fails_with_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as error:
