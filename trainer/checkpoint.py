@@ -3,8 +3,9 @@
 One checkpoint is <run_dir>/checkpoints/step_00000100/ holding
   .metadata, *.distcp    DCP shards of the model, the optimizers and the LR scheduler
   extra/rank_<r>.json    per-rank trainer state (data position, RNG states, ...) as JSON values
-  meta.json              step, world_size, model_fingerprint, config, format, and `files`: the size and
-                         sha256 of every other file of the checkpoint, by path relative to it
+  meta.json              step, world_size, model_fingerprint, config, format, `files`: the size and
+                         sha256 of every other file of the checkpoint, by path relative to it, and
+                         meta_sha256: the sha256 of meta.json's own content (format 3)
 Everything is written under checkpoints/.tmp-step_00000100 and renamed into place by rank 0 once every
 rank has finished; meta.json is written last, so a step_* directory with a meta.json is complete, and a
 run killed mid-write keeps its previous checkpoints. Works in a single process (no process group) and
@@ -16,8 +17,11 @@ of DCP's own metadata classes and its non-tensor entries with torch.load(weights
 its size and sha256 (the ranks split this too and agree before any of them goes on), which catches
 truncated, zeroed, overwritten or missing files. sha256 because it is the standard (`sha256sum` checks a
 file by hand) and hashes at disk speed; a checksum detects damage, it does not authenticate: whoever can
-rewrite the files can rewrite meta.json, hence the unpickling restrictions. meta.json itself carries no
-checksum; a truncated one does not parse. Checkpoints of the earlier format (pickled extra/rank_<r>.pt, no
+rewrite the files can rewrite meta.json, hence the unpickling restrictions, and hence every field of
+meta.json is checked (meta_problem: types, ranges, its config against the trainer's own checks) and a
+model is built from its config only after the shapes it gives match the weights (check_model_shapes).
+meta_sha256 makes damage to meta.json corruption like damage to any other file; format 2 checkpoints
+(the same, without it) are still read. Checkpoints of the earliest format (pickled extra/rank_<r>.pt, no
 checksums) are refused, since reading them means unpickling.
 """
 from __future__ import annotations
@@ -45,7 +49,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model.config import ModelConfig
+from trainer.config import ConfigError, config_from_saved
 from trainer.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
+from trainer.safe_io import write_file
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
@@ -53,7 +59,10 @@ STEP_DIR = re.compile(r"step_(\d{8})")
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 EXTRA_DIR = "extra"
-FORMAT = 2  # 1 (unnumbered): pickled extra/rank_<r>.pt and no checksums
+FORMAT = 3  # 3: meta.json carries meta_sha256; 2: no checksum over meta.json; 1 (unnumbered): pickled extra, no checksums
+READABLE_FORMATS = (2, 3)
+META_DIGEST = "meta_sha256"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(ValueError):
@@ -174,8 +183,29 @@ def _complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
     """Checkpoints under checkpoints_dir whose meta.json was written (the last file of a save), oldest first."""
     if not checkpoints_dir.is_dir():
         return []
-    found = [p for p in checkpoints_dir.iterdir() if STEP_DIR.fullmatch(p.name) and (p / META_FILE).is_file()]
+    found = [p for p in checkpoints_dir.iterdir()
+             if STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / META_FILE).is_file()]
     return sorted(found, key=lambda p: p.name)
+
+
+def unfinished_checkpoints(run_dir: str | Path) -> list[Path]:
+    """step_* directories without a meta.json: a save writes meta.json last and renames a finished
+    checkpoint into place, so one of these lost its meta.json afterwards; resume never picks them."""
+    checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
+    if not checkpoints_dir.is_dir():
+        return []
+    return sorted(p for p in checkpoints_dir.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()
+                  and not (p / META_FILE).is_file())
+
+
+def remove_partial_saves(run_dir: str | Path) -> list[Path]:
+    """Delete the .tmp-* directories of saves that did not finish (a kill, a full disk) and return them:
+    one left behind holds space the next save needs. Call only while no save runs (at start, rank 0)."""
+    checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
+    partial = sorted(checkpoints_dir.glob(TMP_PREFIX + "*")) if checkpoints_dir.is_dir() else []
+    for entry in partial:
+        _remove(entry)
+    return partial
 
 
 PINNED_FILE = "pinned.json"  # a JSON list of checkpoint names _prune never removes
@@ -187,12 +217,22 @@ def pin_checkpoint(run_dir: str | Path, step: int) -> None:
     pinned_file = Path(run_dir) / CHECKPOINTS_DIR / PINNED_FILE
     names = pinned_names(pinned_file.parent) | {checkpoint_path(run_dir, step).name}
     pinned_file.parent.mkdir(parents=True, exist_ok=True)
-    pinned_file.write_text(json.dumps(sorted(names)) + "\n")
+    write_file(pinned_file, json.dumps(sorted(names)) + "\n")
 
 
 def pinned_names(checkpoints_dir: Path) -> set[str]:
+    """The checkpoint names pinned.json lists; CheckpointError in one line if it is not a list of them."""
     pinned_file = checkpoints_dir / PINNED_FILE
-    return set(json.loads(pinned_file.read_text())) if pinned_file.is_file() else set()
+    if not pinned_file.is_file():
+        return set()
+    try:
+        names = json.loads(pinned_file.read_text())
+    except (ValueError, OSError) as error:
+        raise CheckpointError(f"{pinned_file} could not be read ({str(error).splitlines()[0]})") from None
+    if not isinstance(names, list) or not all(isinstance(name, str) and STEP_DIR.fullmatch(name) for name in names):
+        raise CheckpointError(f"{pinned_file} is not a JSON list of checkpoint names (step_XXXXXXXX); fix or "
+                              "delete it (it only keeps the checkpoints it names from pruning)")
+    return set(names)
 
 
 def _prune(checkpoints_dir: Path, keep_last: int, saved: Path) -> None:
@@ -205,7 +245,15 @@ def _prune(checkpoints_dir: Path, keep_last: int, saved: Path) -> None:
         shutil.rmtree(old)
     # Leftovers of saves killed mid-write; the save in progress has already been renamed.
     for stale in checkpoints_dir.glob(TMP_PREFIX + "*"):
-        shutil.rmtree(stale)
+        _remove(stale)
+
+
+def _remove(entry: Path) -> None:
+    """Delete a directory tree, or only the link if `entry` is one (rmtree refuses links; its target is not ours)."""
+    if entry.is_symlink():
+        entry.unlink()
+    else:
+        shutil.rmtree(entry)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list, scheduler,
@@ -218,18 +266,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if rank == 0:
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save of this step killed mid-write
         (tmp / EXTRA_DIR).mkdir(parents=True)
     _barrier()
     with _single_process_is_fine():
         dcp.save(_dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
-    (tmp / _extra_file(rank)).write_text(json.dumps(extra))
+    write_file(tmp / _extra_file(rank), json.dumps(extra))
     _barrier()
     files = _hash_files(tmp)
     if rank == 0:
-        meta = {**meta, "step": step, "world_size": world, "format": FORMAT, "files": files,
-                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        meta = seal_meta({**meta, "step": step, "world_size": world, "format": FORMAT, "files": files,
+                          "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        write_file(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
         if final.exists():
             # Re-saving a step (a run resumed from an older checkpoint): move the old one aside to be
             # pruned, so a kill between the two renames still leaves a complete checkpoint of this step.
@@ -274,17 +324,73 @@ def read_meta(path: str | Path) -> dict:
         meta = json.loads((path / META_FILE).read_text())
     except ValueError as error:
         raise CheckpointError(f"checkpoint {path} has an unreadable {META_FILE}: {error}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+    if not isinstance(meta, dict) or "format" not in meta and "files" not in meta:
         raise CheckpointFormatError(
             f"checkpoint {path} is not in checkpoint format {FORMAT}: the earlier format (pickled "
             f"{EXTRA_DIR}/rank_N.pt, no checksums) is no longer loaded, since reading it means unpickling; "
             "start a new run.dir")
+    problem = meta_problem(meta)
+    named = STEP_DIR.fullmatch(path.name)
+    if problem is None and named and int(named.group(1)) != meta["step"]:
+        problem = f"records step {meta['step']}, not the {int(named.group(1))} its directory is named for"
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its {META_FILE} {problem}")
     # A checkpoint always has these two, so they must be listed too.
     required = dict.fromkeys([DCP_METADATA, _extra_file(0), *meta["files"]])
     missing = [name for name in required if name not in meta["files"] or not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
     return meta
+
+
+def meta_digest(meta: dict) -> str:
+    """sha256 of meta.json's content but its own digest, over a canonical dump (sorted keys)."""
+    content = {key: value for key, value in meta.items() if key != META_DIGEST}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def seal_meta(meta: dict) -> dict:
+    """meta with its meta_sha256, so damage to meta.json itself counts as corruption (skip and fall back)."""
+    return {**meta, META_DIGEST: meta_digest(meta)}
+
+
+def _is_count(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _safe_relative(name: object) -> bool:
+    return (isinstance(name, str) and bool(name) and not name.startswith("/") and "\x00" not in name
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What is wrong with a parsed meta.json (its checksum, a field's type or range, its config), or None.
+    Every field the trainer and the tools read is checked here, before anything is sized by it."""
+    if meta.get("format") not in READABLE_FORMATS:
+        return f"has format {meta.get('format')!r}; this trainer reads formats {' and '.join(map(str, READABLE_FORMATS))}"
+    if meta["format"] >= 3 and meta.get(META_DIGEST) != meta_digest(meta):
+        return f"does not match its own {META_DIGEST} (its content changed after it was written)"
+    if not _is_count(meta.get("step")):
+        return f"has step {meta.get('step')!r}; expected an integer >= 0"
+    if not _is_count(meta.get("world_size"), least=1):
+        return f"has world_size {meta.get('world_size')!r}; expected an integer >= 1"
+    if not isinstance(meta.get("model_fingerprint", ""), str):
+        return "has a model_fingerprint that is not a string"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return "has no `files` table of sizes and checksums"
+    for name, record in files.items():
+        if not _safe_relative(name):
+            return f"lists {name!r} among its files; expected a path inside the checkpoint"
+        if (not isinstance(record, dict) or not _is_count(record.get("bytes"))
+                or not isinstance(record.get("sha256"), str) or not SHA256_HEX.fullmatch(record["sha256"])):
+            return f"has a malformed record for {name}; expected {{\"bytes\": int, \"sha256\": 64 hex digits}}"
+    if "config" in meta:
+        try:
+            config_from_saved(meta["config"])
+        except ConfigError as error:
+            return f"holds a config this trainer refuses ({error})"
+    return None
 
 
 def verify_checkpoint(path: str | Path) -> dict:
@@ -349,6 +455,25 @@ def _read_extra(path: Path, meta: dict, rank: int) -> dict:
         return json.loads((path / name).read_text())
     except ValueError as error:
         raise CheckpointError(f"checkpoint {path}: {name} could not be read ({error})") from None
+
+
+def check_model_shapes(path: str | Path, model: nn.Module) -> None:
+    """Raise a one-line CheckpointError unless every tensor of `model` (built on the meta device from the
+    checkpoint's config, so nothing is allocated yet) has the shape the checkpoint's .metadata records:
+    a model is sized by meta.json's config only after the weights have confirmed it."""
+    path = Path(path)
+    try:
+        recorded = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
+    for name, tensor in model.state_dict().items():
+        saved = getattr(recorded.get(f"model.{name}"), "size", None)
+        if saved is None:
+            raise CheckpointError(f"checkpoint {path} holds no weight {name}, which the config in its {META_FILE} "
+                                  "builds")
+        if tuple(saved) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {path}: the config in its {META_FILE} builds {name} of shape "
+                                  f"{list(tensor.shape)}, the checkpoint holds {list(saved)}")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, scheduler, rank: int,

@@ -198,6 +198,34 @@ def _validate_paths(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> Config:
+    """Every check of a config to run with: its values (check_values), then what this machine and the
+    file system must offer (Triton on CUDA for kernel_impl=triton, an existing resume= path)."""
+    check_values(cfg)
+    if cfg.model.kernel_impl == "triton":
+        import torch
+
+        refusal = triton_refusal(on_cuda=torch.cuda.is_available())
+        if refusal is not None:
+            raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
+    return cfg
+
+
+def config_from_saved(saved: object) -> Config:
+    """A config a run wrote (a checkpoint's meta.json, an export's config.json: dataclasses.asdict form),
+    typed and value-checked like a command line's; ConfigError names the first bad key. The machine checks
+    of `validate` are left out: a run trained with Triton on a GPU is still read on a CPU."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"the config is a {type(saved).__name__}, not a mapping of settings")
+    try:
+        return check_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved)))
+    except OmegaConfBaseException as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def check_values(cfg: Config) -> Config:
+    """The checks of a config that need only its values: choices, ranges, and settings that must agree."""
     _validate_paths(cfg)
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
@@ -211,12 +239,6 @@ def validate(cfg: Config) -> Config:
             if not in_range(value):
                 raise ConfigError(f"{key}={value!r} {allowed}")
     m, r = cfg.model, cfg.model.residual
-    if m.kernel_impl == "triton":
-        import torch
-
-        refusal = triton_refusal(on_cuda=torch.cuda.is_available())
-        if refusal is not None:
-            raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
     if m.d_model % r.heads:
         raise ConfigError(f"variant.heads={r.heads} must divide model.d_model={m.d_model}")
     if r.block_size is not None and r.block_size < 1:
@@ -283,8 +305,6 @@ def validate(cfg: Config) -> Config:
         if r.window is not None and p.pp_cache:
             raise ConfigError("variant.window with parallel.pp_cache=true is not supported: blocks outside the window "
                               "get no gradient to carry back; set parallel.pp_cache=false")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-        raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
     _validate_throughput_options(cfg)
     _validate_retrofit_options(cfg)
     return cfg

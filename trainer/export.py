@@ -214,6 +214,12 @@ def read_export_config(export_dir: Path) -> dict:
         raise ExportError(f"{export_dir / CONFIG_FILE} could not be read ({str(error).splitlines()[0]})") from None
     if not isinstance(described, dict) or not isinstance(described.get("config"), dict):
         raise ExportError(f"{export_dir / CONFIG_FILE} has no \"config\" object; re-export with trainer.export")
+    step = described.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ExportError(f"{export_dir / CONFIG_FILE} has step {step!r}; expected an integer >= 0")
+    for key in ("source", "model_fingerprint"):
+        if not isinstance(described.get(key, ""), str):
+            raise ExportError(f"{export_dir / CONFIG_FILE} has a {key} that is not a string")
     return described
 
 
@@ -239,9 +245,10 @@ def check_trained_context(export_dir: Path, seq_len: int) -> None:
                           "restore config.json or re-export with trainer.export")
 
 
-def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
-    """Load model.safetensors into `model` (built from the export's config.json), every tensor required
-    and finite."""
+def read_exported_weights(model: torch.nn.Module, export_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, checked against `model` (built from the export's config.json, on the meta device so
+    that nothing is sized by the config before the weights confirm it): every tensor present, of the model's
+    shape, and finite."""
     file = export_dir / MODEL_FILE
     try:
         state = load_file(file)
@@ -262,7 +269,7 @@ def load_exported_weights(model: torch.nn.Module, export_dir: Path) -> None:
             bad = int((~torch.isfinite(tensor)).sum())
             raise ExportError(f"{file}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
                               f"{tensor.numel():,}; export a checkpoint whose weights are finite")
-    model.load_state_dict(state, strict=True)
+    return state
 
 
 def run_cli(argv: list[str] | None, usage: str, work, errors: tuple[type[Exception], ...]) -> None:

@@ -29,16 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from model import build_model
 from model.generation import generate
 from trainer.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR, fingerprint_difference,
                                 model_fingerprint)
-from trainer.config import Config
+from trainer.config import Config, ConfigError, config_from_saved
 from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
-                            load_exported_weights, parse_key_values, read_export_config, run_cli)
+                            parse_key_values, read_exported_weights, read_export_config, run_cli)
 
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
 
@@ -116,10 +114,10 @@ def find_export(key: str, given: str) -> Path:
 def export_config(export_dir: Path, variant: str | None) -> Config:
     described = read_export_config(export_dir)
     try:
-        cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), described["config"]))
-    except OmegaConfBaseException as error:
-        raise GenerateError(f"{export_dir / CONFIG_FILE} is not a config of this trainer "
-                            f"({str(error).splitlines()[0]}); re-export with this version") from None
+        cfg = config_from_saved(described["config"])
+    except ConfigError as error:
+        raise GenerateError(f"{export_dir / CONFIG_FILE} is not a config of this trainer ({error}); "
+                            "re-export with this version") from None
     check_fingerprint(described, cfg, export_dir / CONFIG_FILE)
     if variant is not None and variant != cfg.model.residual.variant:
         raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.variant} "
@@ -172,8 +170,9 @@ def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:
 
 
 def load_exported_model(export_dir: Path, cfg: Config):
+    state = read_exported_weights(build_model(cfg, device="meta"), export_dir)
     model = build_model(cfg)
-    load_exported_weights(model, export_dir)
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 

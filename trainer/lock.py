@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer.safe_io import first_link
+
 LOCK_FILE = ".trainer.lock"
+WANDB_DIR = "wandb"  # wandb's own directory, which holds its `latest-run` link
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # PyTorch's zip writer (torch.save, DCP shards) reports a short write to a full disk as this, without errno.
@@ -79,6 +82,17 @@ def make_run_dir(run_dir: Path) -> None:
                           "pick a writable run.dir") from None
     if not os.access(run_dir, os.W_OK | os.X_OK):  # also false for root on a read-only mount
         raise RunDirError(f"run.dir={run_dir} is not writable; pick a writable run.dir")
+    refuse_links(run_dir)
+
+
+def refuse_links(run_dir: Path) -> None:
+    """A run directory holds only what runs wrote there; a symlink in it (config.yaml -> ~/.bashrc, a
+    checkpoints/step_N -> elsewhere) would send a write, an append or a pruning rmtree to its target."""
+    link = first_link(run_dir, skip=(WANDB_DIR,))
+    if link is not None:
+        raise RunDirError(f"run.dir={run_dir}: {link.relative_to(run_dir)} is a symlink (to {os.readlink(link)}); "
+                          "a run directory must hold only regular files and directories, since a link would "
+                          "redirect the run's writes; remove it or pick another run.dir")
 
 
 class RunDirLock:
@@ -109,7 +123,7 @@ class RunDirLock:
         return self
 
     def _try_flock(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -141,7 +155,7 @@ class RunDirLock:
         self.taken_over = holder or None
         self.path.unlink(missing_ok=True)
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             raise _in_use(self.run_dir, _read_holder(self.path)) from None
 
@@ -188,7 +202,7 @@ def holder_if_locked(run_dir: Path) -> dict | None:
     taken and dropped at once (trainer.check's pre-flight)."""
     path = Path(run_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
@@ -214,9 +228,16 @@ def check_run_dir(run_dir: Path, n_params: int) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):  # also false for root on a read-only mount
         raise RunDirError(f"run.dir={run_dir} is not writable ({existing} is read-only to this user); "
                           "pick a writable run.dir")
+    if run_dir.is_dir():
+        refuse_links(run_dir)
     holder = holder_if_locked(run_dir)
     if holder is not None:
         raise _in_use(run_dir, holder)
+    check_room(run_dir, n_params)
+
+
+def check_room(run_dir: Path, n_params: int) -> None:
+    """RunDirError unless run_dir's filesystem has room for one checkpoint of an n_params model."""
     need, free = checkpoint_bytes(n_params), free_bytes(run_dir)
     if free < need:
         raise RunDirError(f"run.dir={run_dir} has {free / 2**20:.1f} MiB free but one checkpoint of this model "

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
+from trainer.safe_io import append_text, write_file
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -74,12 +75,7 @@ def keep_rows_up_to(path: Path, last_step: int) -> list[str]:
         dropped.append(f"{path.name}: dropped a truncated last line (a run killed mid-write): {kept.pop()[:60]!r}")
     text = "".join(line + "\n" for line in kept)
     if text != original:
-        temporary = path.with_name(path.name + ".tmp")
-        with temporary.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        write_file(path, text)
     return dropped
 
 
@@ -135,8 +131,7 @@ class MetricsLogger:
         if self.writes_files:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             # Opened per line: a process killed with os._exit or SIGKILL loses no buffered line.
-            with self.log_path.open("a") as f:
-                f.write(f"{stamp} {line}\n")
+            append_text(self.log_path, f"{stamp} {line}\n")
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
         if self.enabled:
@@ -180,8 +175,7 @@ class MetricsLogger:
             for dropped in [*keep_rows_up_to(self.metrics_path, self.start_step),
                             *keep_rows_up_to(self.diagnostics_path, self.start_step)]:
                 self.print(dropped)
-        with path.open("a") as f:
-            f.write(json_line(record))
+        append_text(path, json_line(record))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -261,6 +255,7 @@ class StepProfiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"rank{self.rank}_steps{self.steps_covered[0]}-{self.steps_covered[-1]}.json"
         temporary = path.with_name(path.name + ".tmp")
+        temporary.unlink(missing_ok=True)  # the exporter opens it with open(), which would follow a link there
         self.profile.export_chrome_trace(str(temporary))
         os.replace(temporary, path)
         self.profile = None

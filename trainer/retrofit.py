@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from model.norms import RMSNorm
-from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from trainer.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
 
 TRAINABLE = ("all", "residual", "norms")
@@ -85,13 +85,9 @@ def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp:
 
 def _source_state(path: Path) -> dict[str, torch.Tensor]:
     """The source run's model state (parameters and persistent buffers), loaded through the checkpoint loader."""
-    from model import build_model
-    from trainer.trained import run_config
+    from trainer.trained import load_trained
 
-    cfg = run_config(path, read_meta(path))
-    source = build_model(cfg)
-    load_checkpoint(path, source, [], None, rank=0)
-    return source.state_dict()
+    return load_trained(path).model.state_dict()
 
 
 def init_from(model: nn.Module, init_path: str) -> Path:

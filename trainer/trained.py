@@ -6,12 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from model import build_model
-from trainer.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
-from trainer.config import Config
+from trainer.checkpoint import CheckpointError, check_model_shapes, load_checkpoint, resolve_checkpoint, verify_checkpoint
+from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data import open_dataset, resolve_dataset, val_batches
 
 
@@ -38,18 +36,19 @@ def run_config(checkpoint: Path, meta: dict) -> Config:
     if "config" not in meta:
         raise CheckpointError(f"checkpoint {checkpoint} has no config in its meta.json; cannot tell which model to build")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
-    except OmegaConfBaseException as error:
-        raise CheckpointError(f"checkpoint {checkpoint} has a config this trainer cannot read "
-                              f"({str(error).splitlines()[0]})") from None
+        return config_from_saved(meta["config"])
+    except ConfigError as error:
+        raise CheckpointError(f"checkpoint {checkpoint} has a config this trainer cannot read ({error})") from None
 
 
 def load_trained(checkpoint_or_run: str | Path) -> TrainedRun:
     """The run's model (fp32, eval mode, on the CPU) with the weights of `checkpoint_or_run`: a checkpoint
-    directory, or a run directory (its newest checkpoint). Loading verifies the checkpoint's files first."""
+    directory, or a run directory (its newest checkpoint). The checkpoint's files are verified, and the
+    shapes its config builds checked against its weights, before the model is allocated."""
     path = resolve_checkpoint(checkpoint_or_run)
-    meta = read_meta(path)
+    meta = verify_checkpoint(path)
     cfg = run_config(path, meta)
+    check_model_shapes(path, build_model(cfg, device="meta"))
     model = build_model(cfg)
-    load_checkpoint(path, model, [], None, rank=0)
+    load_checkpoint(path, model, [], None, rank=0, verify=False)
     return TrainedRun(path, meta, cfg, model.eval())

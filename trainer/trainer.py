@@ -6,7 +6,6 @@ import contextlib
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict, fields
@@ -20,18 +19,21 @@ from torch.distributed.tensor import DTensor
 
 from model import build_model
 from model.flops import training_flops_per_token
+from model.params import count_parameters
 from parallel.compile import apply_compile
 from parallel.dims import DistInfo, build_layout, barrier, resolve_precision
 from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
-from trainer.checkpoint import (META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
-                                model_fingerprint, newest_verified_checkpoint, pin_checkpoint, read_meta,
+from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
+                                model_fingerprint, newest_verified_checkpoint, pin_checkpoint, pinned_names, read_meta,
+                                remove_partial_saves, unfinished_checkpoints,
                                 resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops
-from trainer.lock import RunDirError, disk_full_error, is_disk_full, lock_run_dir
+from trainer.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
 from trainer import retrofit
+from trainer.safe_io import write_file
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
                            wsd_decay_start)
 
@@ -147,10 +149,22 @@ class Trainer:
                       + retrofit.describe_trainable(*self.trainable_counts, self.cfg.train))
 
     def _check_resume_target(self) -> None:
+        """Every rank reads the run directory's state the same way, so a refusal here stops them all."""
         existing = latest_checkpoint(self.run_dir)
         if self.cfg.resume == "never" and existing is not None:
             raise ConfigError(f"resume=never but run.dir={self.run_dir} already holds {existing.name}; "
                               "use resume=auto to continue it or pick another run.dir")
+        pinned_names(self.run_dir / CHECKPOINTS_DIR)
+        if self.info.is_main:
+            # A save killed by a full disk leaves its partial directory, holding the room the next save needs.
+            for partial in remove_partial_saves(self.run_dir):
+                print(f"run.dir={self.run_dir}: removed {partial.name}, a checkpoint save that did not finish",
+                      file=sys.stderr)
+            for unfinished in unfinished_checkpoints(self.run_dir):
+                print(f"run.dir={self.run_dir}: {unfinished.name} has no {META_FILE} (deleted after it was "
+                      "written?) and is not resumed from", file=sys.stderr)
+        barrier()
+        check_room(self.run_dir, count_parameters(build_model(self.cfg, device="meta"))["total"])
 
     def _open_data(self) -> None:
         cfg = self.cfg
@@ -185,11 +199,31 @@ class Trainer:
         extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
                                    fingerprint=self.fingerprint, shards=self.engine.shards,
                                    verify=resume != "auto")
-        self.step = extra["step"]
-        self.skipped_steps = extra.get("skipped_steps", 0)
-        self.sampler.load_state_dict(extra["sampler"])
-        set_rng_state(extra["rng"])
+        self._restore_extra(path, extra, read_meta(path)["step"])
         return path
+
+    def _restore_extra(self, path: Path, extra: dict, step: int) -> None:
+        """This rank's trainer state from the checkpoint's extra file, each field checked before it is used:
+        a step that is not the checkpoint's would train at the wrong learning rate and misname checkpoints."""
+        name = f"checkpoint {path}: extra/rank_{self.info.rank}.json"
+        if not isinstance(extra, dict) or extra.get("step") != step or isinstance(extra.get("step"), bool):
+            found = extra.get("step") if isinstance(extra, dict) else extra
+            raise CheckpointError(f"{name} has step {found!r}; the checkpoint is of step {step}")
+        skipped, sampler = extra.get("skipped_steps", 0), extra.get("sampler")
+        if not isinstance(skipped, int) or isinstance(skipped, bool) or not 0 <= skipped <= step:
+            raise CheckpointError(f"{name} has skipped_steps {skipped!r}; expected an integer in [0, {step}]")
+        counters = ("consumed_samples", "seed", "seq_len", "num_windows")
+        if not isinstance(sampler, dict) or not all(type(sampler.get(key)) is int and sampler[key] >= 0
+                                                    for key in counters):
+            raise CheckpointError(f"{name} has no usable sampler state; expected integers >= 0 for "
+                                  f"{', '.join(counters)}")
+        self.sampler.load_state_dict(sampler)
+        try:
+            set_rng_state(extra.get("rng"))
+        except Exception as error:  # torch, numpy and random each reject a bad state with their own error types
+            raise CheckpointError(f"{name} has an unusable rng state ({type(error).__name__}: "
+                                  f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        self.step, self.skipped_steps = step, skipped
 
     def _newest_verified_checkpoint(self) -> Path | None:
         """resume=auto: the newest checkpoint that verifies, saying which newer ones were skipped and why."""
@@ -299,9 +333,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.info.is_main:
             return
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        write_file(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for trainer.generate
-            shutil.copyfile(self.tokenizer_file, self.run_dir / "tokenizer.json")
+            write_file(self.run_dir / "tokenizer.json", self.tokenizer_file.read_bytes())  # verified with its dataset
         if self.pre_decay_step is not None and self.step < self.pre_decay_step:
             pin_checkpoint(self.run_dir, self.pre_decay_step)
 

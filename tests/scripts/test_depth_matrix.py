@@ -39,8 +39,9 @@ def test_baseline_has_rank_one_and_full_a_higher_rank(trained_runs, capsys):
     assert baseline["semiseparable_rank"]["fraction"] == {"1": 1.0}
     assert baseline["mean"][3] == [1.0] * 4 + [None] * 5 and baseline["std"][3][:4] == [0.0] * 4
     assert full["semiseparable_rank"]["max"] > 1 and full["semiseparable_rank"]["mean"] > 1.5
-    # Full's rows are distributions: they sum to 1; entropy below uniform's ln(l) once trained
-    assert sum(full["mean"][8]) == pytest.approx(1.0, abs=1e-9)
+    # Full's rows are distributions: they sum to 1 (to fp32's rounding: the weights are fp32 softmaxes, averaged);
+    # entropy below uniform's ln(l) once trained
+    assert sum(full["mean"][8]) == pytest.approx(1.0, abs=1e-6)
     assert 0 < full["row_entropy"][8] < 2.1972  # ln 9
     assert (trained_runs["full"] / "depth_matrix" / "depth_matrix.png").stat().st_size > 1000
 

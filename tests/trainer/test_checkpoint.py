@@ -25,10 +25,12 @@ from trainer.checkpoint import (
     check_compatible,
     latest_checkpoint,
     load_checkpoint,
+    meta_digest,
     model_fingerprint,
     newest_verified_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
+    seal_meta,
 )
 from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
@@ -233,7 +235,8 @@ def test_meta_json_records_the_size_and_sha256_of_every_other_file(tmp_path, cfg
         data = (path / name).read_bytes()
         assert record == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert json.loads((path / "extra/rank_0.json").read_text()) == {"sample": 1}
-    assert meta["format"] == 2
+    assert meta["format"] == 3
+    assert meta["meta_sha256"] == meta_digest(meta)  # damage to meta.json itself is corruption too
 
 
 # -- nothing from a checkpoint runs code --------------------------------------------------------
@@ -254,7 +257,7 @@ def rewrite_checksums(path):
     names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != "meta.json")
     meta["files"] = {name: {"bytes": (path / name).stat().st_size,
                             "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()} for name in names}
-    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "meta.json").write_text(json.dumps(seal_meta(meta)))
 
 
 def load_fresh(path, cfg):
@@ -310,13 +313,13 @@ def test_old_format_checkpoint_is_refused_in_one_line_without_unpickling(tmp_pat
     older, newer = save(tmp_path / "run", 1, trained, cfg), save(tmp_path / "run", 2, trained, cfg)
     marker = tmp_path / "MARKER"
     make_old_format(newer, marker)
-    message = (f"checkpoint {newer} is not in checkpoint format 2: the earlier format (pickled extra/rank_N.pt, no "
+    message = (f"checkpoint {newer} is not in checkpoint format 3: the earlier format (pickled extra/rank_N.pt, no "
                "checksums) is no longer loaded, since reading it means unpickling; start a new run.dir")
     with pytest.raises(CheckpointFormatError) as error:
         load_fresh(newer, cfg)
     assert str(error.value) == message
     # resume=auto does not skip past it to the older one: that would quietly restart the run from there.
-    with pytest.raises(CheckpointFormatError, match="not in checkpoint format 2"):
+    with pytest.raises(CheckpointFormatError, match="not in checkpoint format 3"):
         newest_verified_checkpoint(tmp_path / "run")
     assert not marker.exists() and older.is_dir()
 

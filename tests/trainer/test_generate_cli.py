@@ -266,7 +266,8 @@ def test_help_prints_every_option_with_its_default_and_exits_0(capsys):
      "model.safetensors could not be read (Error while deserializing header"),
     (lambda d: (d / "config.json").write_text('{"config": '), "config.json could not be read (Expecting value"),
     (lambda d: (d / "config.json").write_text('{"config": {"model": {"d_model": "wide"}}}'),
-     "config.json is not a config of this trainer (Value 'wide' of type 'str' could not be converted to Integer)"),
+     "config.json is not a config of this trainer (model.d_model: Value 'wide' of type 'str' could not be converted "
+     "to Integer)"),
 ])
 def test_a_damaged_export_fails_in_one_line(export_dir, tmp_path, capsys, damage, message):
     damaged = tmp_path / "damaged"

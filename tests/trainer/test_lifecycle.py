@@ -258,12 +258,16 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, tiny_
     assert [r["step"] for r in metrics(tmp_path / "elsewhere")] == [4]
 
 
-def test_check_refuses_a_run_dir_without_room_for_a_checkpoint(tmp_path, tiny_dataset, capsys):
+def test_trainer_and_check_refuse_a_run_dir_without_room_for_a_checkpoint(tmp_path, tiny_dataset, capsys):
     with tmpfs(tmp_path / "tiny", "size=1m") as tiny:
+        refusal = (f"run.dir={tiny / 'run'} has 1.0 MiB free but one checkpoint of this model (0.9M parameters, "
+                   "fp32 weights + AdamW moments) needs about 10.5 MiB; free some space or pick another run.dir")
         with pytest.raises(SystemExit) as exit_info:
             check(["model=xs", f"data.path={tiny_dataset}", f"run.dir={tiny / 'run'}"])
         assert exit_info.value.code == 2
-        assert capsys.readouterr().err.strip() == (
-            f"error: run.dir={tiny / 'run'} has 1.0 MiB free but one checkpoint of this model (0.9M parameters, "
-            "fp32 weights + AdamW moments) needs about 10.5 MiB; free some space or pick another run.dir")
+        assert capsys.readouterr().err.strip() == f"error: {refusal}"
         assert list(tiny.iterdir()) == []
+        with pytest.raises(RunDirError) as refused:  # before any step: not after the first one, at the first save
+            train(fast_train_overrides(tiny / "run", tiny_dataset))
+        assert str(refused.value) == refusal
+        assert sorted(p.name for p in (tiny / "run").iterdir()) == []
