@@ -16,13 +16,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from conftest import fast_train_overrides
+from json_mutations import dumps, mutated_documents
 from model import build_model
 from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
-from trainer.export import export
-from trainer.generate import GenerateArgs, load_exported_model, main
+from trainer.export import ExportError, export
+from trainer.generate import GenerateArgs, GenerateError, export_config, load_exported_model, main
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -275,3 +276,21 @@ def test_a_damaged_export_fails_in_one_line(export_dir, tmp_path, capsys, damage
     damage(damaged)
     err = one_line_error(capsys, [f"model={damaged}", "prompt=the king", "max_new_tokens=1"])
     assert err.startswith(f"error: {damaged}/") and message in err
+
+
+def test_every_mutation_of_an_exports_config_is_one_line_or_a_config(export_dir, tmp_path):
+    """Seeded mutations of config.json (issue 24's property test of our own files): reading it is either a
+    config or generate's one-line refusal (a mistyped or out-of-range setting, a bad step or fingerprint)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(export_dir, damaged)
+    described = json.loads((export_dir / "config.json").read_text())
+    outcomes = {"config": 0, "refused": 0}
+    for what, mutated in mutated_documents(described, seed=7, count=120):
+        (damaged / "config.json").write_bytes(dumps(mutated))
+        try:
+            export_config(damaged, None)
+            outcomes["config"] += 1
+        except (GenerateError, ExportError) as error:
+            assert "\n" not in str(error), what
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 60 and outcomes["config"] > 5, outcomes
