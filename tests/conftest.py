@@ -4,6 +4,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,17 @@ def torchrun(overrides, nproc=2, max_restarts=0, timeout=240):
     """Launch trainer.main under torchrun on gloo; returns the CompletedProcess."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "trainer.main", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def torchrun_runs(runs, workdir, nproc=2, timeout=600):
+    """Train every run of `runs` (lists of overrides, as fast_train_overrides gives) one after another in
+    one torchrun launch of `nproc` processes (tests/parallel/trainer_runs_worker.py); returns the CompletedProcess."""
+    runs_file = Path(workdir) / "runs.json"
+    runs_file.write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).parent / "parallel" / "trainer_runs_worker.py"), str(runs_file)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -125,12 +125,12 @@ def single(run_dir, dataset, **extra):
 
 def assert_like_reference(run, reference) -> None:
     """4 steps with one process's losses and gradient norms, and its validation loss at step 3 (rel 1e-5)."""
-    found = metrics(run)
-    assert sorted(found["loss"]) == [1, 2, 3, 4], run.name
+    found, label = metrics(run), f"{run.parent.name}/{run.name}"
+    assert sorted(found["loss"]) == [1, 2, 3, 4], label
     for key in ("loss", "grad_norm"):
         for step, value in found[key].items():
-            assert value == pytest.approx(reference[key][step], rel=1e-5), (run.name, key, step)
-    assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), run.name
+            assert value == pytest.approx(reference[key][step], rel=1e-5), (label, key, step)
+    assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5), label
 
 
 def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
@@ -143,16 +143,14 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, 
     single(straight, tiny_dataset, **clip)
     reference = metrics(straight)
 
-    fsdp_first = tmp_path / "fsdp_first"
-    result = torchrun(fast_train_overrides(fsdp_first, tiny_dataset, steps=4, parallel="fsdp2",
-                                           **clip, **{"train.stop_after": 3}))
+    fsdp_first, single_first = tmp_path / "fsdp_first", tmp_path / "single_first"
+    single(single_first, tiny_dataset, **clip, **{"train.stop_after": 3})
+    result = torchrun_runs([fast_train_overrides(fsdp_first, tiny_dataset, steps=4, parallel="fsdp2", **clip,
+                                                 **{"train.stop_after": 3}),
+                            fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="fsdp2", **clip)],
+                           tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     single(fsdp_first, tiny_dataset, **clip)
-
-    single_first = tmp_path / "single_first"
-    single(single_first, tiny_dataset, **clip, **{"train.stop_after": 3})
-    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="fsdp2", **clip))
-    assert result.returncode == 0, result.stderr[-3000:]
 
     for run in (fsdp_first, single_first):
         assert_like_reference(run, reference)
@@ -204,53 +202,51 @@ def test_fsdp_layouts_that_do_not_fit_the_processes_are_refused(overrides, world
         validate_layout(load_config(overrides), world)
 
 
-def test_dp2_fsdp2_trains_like_one_process(tmp_path, tiny_dataset):
-    """HSDP on 4 ranks (2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses,
-    gradient norms and validation loss (rel 1e-5)."""
+COMPOSED = {  # 4-rank layouts and the settings each needs
+    "fsdp2_pp2": {"train.global_batch": 8},
+    "fsdp2_ep2": {"train.micro_batch": 1},
+    "fsdp2_tp2": {},
+}
+
+
+def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
+    """The 4-rank layouts, all in one torchrun launch (tests/parallel/trainer_runs_worker.py).
+
+    HSDP (dp2_fsdp2: 2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses, gradient
+    norms and validation loss (rel 1e-5).
+    Composed: fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2 chunks per
+    rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts are split in two,
+    every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated parameters) sharded over
+    the 2 fsdp ranks of each tp index; checkpoints hold them as DTensors over (fsdp, tp), strided where both
+    cut dim 0. Stopped after 3 steps a run resumes in one process, and a single-process checkpoint resumes
+    under the layout; both have one process's losses, gradient norms (clipping active) and validation loss,
+    rel 1e-5."""
     one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
-    straight = tmp_path / "straight"
-    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=3, **one_each)), init_distributed()).fit()
-    hsdp = tmp_path / "hsdp"
-    result = torchrun(fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each), nproc=4)
+    straight_hsdp, hsdp = tmp_path / "straight_hsdp", tmp_path / "hsdp"
+    Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **one_each)),
+            init_distributed()).fit()
+    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each)]
+    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED.items()}  # norms 1.4-3.3
+    for layout, extra in settings.items():
+        single(tmp_path / layout / "straight", tiny_dataset, **extra)
+        single(tmp_path / layout / "single_first", tiny_dataset, **extra, **{"train.stop_after": 3})
+        runs += [fast_train_overrides(tmp_path / layout / "mesh_first", tiny_dataset, steps=4, parallel=layout,
+                                      **extra, **{"train.stop_after": 3}),
+                 fast_train_overrides(tmp_path / layout / "single_first", tiny_dataset, steps=4, parallel=layout,
+                                      **extra)]
+    result = torchrun_runs(runs, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    reference, found = metrics(straight), metrics(hsdp)
+
+    reference, found = metrics(straight_hsdp), metrics(hsdp)
     assert sorted(found["loss"]) == [1, 2, 3]
     for key in ("loss", "grad_norm"):
         for step, value in found[key].items():
-            assert value == pytest.approx(reference[key][step], rel=1e-5), (key, step)
+            assert value == pytest.approx(reference[key][step], rel=1e-5), ("hsdp", key, step)
     # 2 validation batches over 4 data ranks: ranks 2 and 3 run a forward for the shards' sake and count nothing
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
 
-
-@pytest.mark.parametrize("layout, extra", [
-    ("fsdp2_pp2", {"train.global_batch": 8}),
-    ("fsdp2_ep2", {"train.micro_batch": 1}),
-    ("fsdp2_tp2", {}),
-])
-def test_fsdp_composed_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset, layout,
-                                                                              extra):
-    """4 ranks. fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2
-    chunks per rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts
-    are split in two, every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated
-    parameters) sharded over the 2 fsdp ranks of each tp index; checkpoints hold them as DTensors over
-    (fsdp, tp), strided where both cut dim 0. Stopped after 3 steps the run
-    resumes in one process, and a single-process checkpoint resumes under the layout; both have one
-    process's losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
-    extra = {**extra, "train.grad_clip": 1.0}  # norms 1.4-3.3: clipped from step 1
-    straight = tmp_path / "straight"
-    single(straight, tiny_dataset, **extra)
-    reference = metrics(straight)
-
-    mesh_first = tmp_path / "mesh_first"
-    result = torchrun(fast_train_overrides(mesh_first, tiny_dataset, steps=4, parallel=layout, **extra,
-                                           **{"train.stop_after": 3}), nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
-    single(mesh_first, tiny_dataset, **extra)
-
-    single_first = tmp_path / "single_first"
-    single(single_first, tiny_dataset, **extra, **{"train.stop_after": 3})
-    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=layout, **extra), nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-    for run in (mesh_first, single_first):
-        assert_like_reference(run, reference)
+    for layout, extra in settings.items():
+        single(tmp_path / layout / "mesh_first", tiny_dataset, **extra)
+        reference = metrics(tmp_path / layout / "straight")
+        for run in ("mesh_first", "single_first"):
+            assert_like_reference(tmp_path / layout / run, reference)

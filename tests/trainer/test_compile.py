@@ -1,6 +1,7 @@
 """train.compile=true: each transformer block compiled (parallel/compile.py) trains with eager's losses,
-in one process and under the pipeline with full activation checkpointing. Inductor's first compile
-takes about a minute on this CPU: two blocks, both dense, keep the graphs few."""
+in one process and under the pipeline with full activation checkpointing. Inductor compiles a block's
+forward and backward in about 45 s on this CPU, one block after another in a process: one dense block in
+one process, and two under pp2 (one per stage, compiled side by side), keep the graphs few."""
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
 
-TWO_DENSE_BLOCKS = {"model.n_blocks": 2, "model.n_dense_layers": 2, "train.eval_every": 3, "train.diag_every": 100}
+SHORT = {"train.eval_every": 3, "train.diag_every": 100}
+ONE_DENSE_BLOCK = {"model.n_blocks": 1, "model.n_dense_layers": 1, **SHORT}
+TWO_DENSE_BLOCKS = {"model.n_blocks": 2, "model.n_dense_layers": 2, **SHORT}
 
 
 def losses(run_dir):
@@ -22,11 +25,12 @@ def losses(run_dir):
 def test_compiled_blocks_train_with_the_eager_losses(tmp_path, tiny_dataset):
     for mode in ("false", "true"):
         overrides = fast_train_overrides(tmp_path / mode, tiny_dataset, steps=3,
-                                         **{**TWO_DENSE_BLOCKS, "train.compile": mode})
+                                         **{**ONE_DENSE_BLOCK, "train.compile": mode})
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         Trainer(load_config(overrides), init_distributed()).fit()
-        if mode == "true":  # one graph per block at least: the blocks really ran compiled
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
+        if mode == "true":  # the block really ran compiled
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     eager, compiled = losses(tmp_path / "false"), losses(tmp_path / "true")
     assert len(eager) == 3
     assert compiled == pytest.approx(eager, abs=1e-4)

@@ -72,10 +72,20 @@ def test_the_prompt_is_taken_verbatim(export_dir, capsys, prompt):
     assert capsys.readouterr().out.startswith(prompt)
 
 
-def test_compiled_decode_prints_the_eager_text(export_dir, capsys):
-    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=4"])
+@pytest.fixture(scope="module")
+def one_block_export_dir(run_dir, tiny_dataset):
+    """The export of a one-block model: decode compiles per block, and wiring compile=true needs only one."""
+    run = run_dir.parent / "one_block_run"
+    Trainer(load_config(fast_train_overrides(run, tiny_dataset, steps=2, **{"model.n_blocks": 1})),
+            init_distributed()).fit()
+    export(str(run), str(run.parent / "one_block_export"))
+    return run.parent / "one_block_export"
+
+
+def test_compiled_decode_prints_the_eager_text(one_block_export_dir, capsys):
+    main([f"model={one_block_export_dir}", "prompt=the king", "max_new_tokens=4"])
     eager = capsys.readouterr().out
-    main([f"model={export_dir}", "prompt=the king", "max_new_tokens=4", "compile=true"])
+    main([f"model={one_block_export_dir}", "prompt=the king", "max_new_tokens=4", "compile=true"])
     assert capsys.readouterr().out == eager
 
 
