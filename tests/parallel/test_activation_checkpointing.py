@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, torchrun_runs
 from model import build_model
 from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import init_distributed
@@ -113,14 +113,17 @@ def logged(run_dir) -> dict:
     return steps
 
 
-@pytest.mark.parametrize("layout, mode", [("pp2_vp2", "full"), ("dp2_ep2", "selective"), ("tp2", "selective")])
-def test_training_under_torchrun_matches_none(tmp_path, tiny_dataset, layout, mode):
-    runs = {}
-    for ac in ("none", mode):
-        result = torchrun(fast_train_overrides(tmp_path / ac, tiny_dataset, steps=3, parallel=layout,
-                                               **{"train.activation_checkpointing": ac}))
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[ac] = logged(tmp_path / ac)
-    assert sorted(runs["none"]) == [1, 2, 3]
-    assert (runs["none"][3][3] is not None) == (layout == "dp2_ep2")  # diagnostics: only with the whole model
-    assert runs[mode] == runs["none"]
+def test_training_under_torchrun_matches_none(tmp_path, tiny_dataset):
+    """Each layout with and without its checkpointing mode, the six runs in one torchrun launch: the same
+    losses, gradient norms, expert loads and diagnostics, bitwise."""
+    layouts = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective"}
+    runs = [fast_train_overrides(tmp_path / layout / ac, tiny_dataset, steps=3, parallel=layout,
+                                 **{"train.activation_checkpointing": ac})
+            for layout, mode in layouts.items() for ac in ("none", mode)]
+    result = torchrun_runs(runs, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for layout, mode in layouts.items():
+        without, checkpointed = logged(tmp_path / layout / "none"), logged(tmp_path / layout / mode)
+        assert sorted(without) == [1, 2, 3], layout
+        assert (without[3][3] is not None) == (layout == "dp2_ep2"), layout  # diagnostics: with the whole model
+        assert checkpointed == without, layout

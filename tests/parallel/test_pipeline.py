@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides, launch_parity_worker, torchrun
+from conftest import fast_train_overrides, launch_parity_worker, torchrun, torchrun_runs
 from parallel.dims import init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
@@ -127,17 +127,14 @@ def test_checkpoints_move_between_pp_and_single_process(tmp_path, tiny_dataset):
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
     reference = losses(straight)
 
-    pp_first = tmp_path / "pp_first"
-    result = torchrun(fast_train_overrides(pp_first, tiny_dataset, steps=4, parallel="pp2_vp2",
-                                           **{"train.stop_after": 2}))
-    assert result.returncode == 0, result.stderr[-3000:]
-    Trainer(load_config(fast_train_overrides(pp_first, tiny_dataset, steps=4)), init_distributed()).fit()
-
-    single_first = tmp_path / "single_first"
+    pp_first, single_first = tmp_path / "pp_first", tmp_path / "single_first"
     Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 2})),
             init_distributed()).fit()
-    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="pp2_vp2"))
+    result = torchrun_runs([fast_train_overrides(pp_first, tiny_dataset, steps=4, parallel="pp2_vp2",
+                                                 **{"train.stop_after": 2}),
+                            fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="pp2_vp2")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    Trainer(load_config(fast_train_overrides(pp_first, tiny_dataset, steps=4)), init_distributed()).fit()
 
     for run in (pp_first, single_first):
         resumed = losses(run)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fast_train_overrides, launch_parity_worker, torchrun
+from conftest import fast_train_overrides, launch_parity_worker, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -37,32 +37,34 @@ def losses(run_dir):
             {r["step"]: r["val_loss"] for r in records if "val_loss" in r})
 
 
-@pytest.mark.parametrize("parallel", ["tp2", "dp2_ep2"])
-def test_checkpoints_move_between_tp_or_ep_and_one_process(tmp_path, tiny_dataset, parallel):
-    """The layout trains like one process (train and validation losses); stopped half-way it resumes
-    in one process, and a single-process checkpoint resumes in the layout, both with the same losses."""
+def test_checkpoints_move_between_tp_or_ep_and_one_process(tmp_path, tiny_dataset):
+    """tp2 and dp2_ep2 each train like one process (train and validation losses); stopped half-way a run
+    resumes in one process, and a single-process checkpoint resumes in the layout, both with the same
+    losses. The four layout runs share one torchrun launch."""
     straight = tmp_path / "straight"
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
     reference, reference_val = losses(straight)
-
-    layout_first = tmp_path / "layout_first"
-    result = torchrun(fast_train_overrides(layout_first, tiny_dataset, steps=4, parallel=parallel,
-                                           **{"train.stop_after": 3}))
-    assert result.returncode == 0, result.stderr[-3000:]
-    Trainer(load_config(fast_train_overrides(layout_first, tiny_dataset, steps=4)), init_distributed()).fit()
-
-    single_first = tmp_path / "single_first"
-    Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 3})),
-            init_distributed()).fit()
-    result = torchrun(fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=parallel))
+    layouts, runs = ("tp2", "dp2_ep2"), []
+    for parallel in layouts:
+        single_first = tmp_path / parallel / "single_first"
+        Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 3})),
+                init_distributed()).fit()
+        runs += [fast_train_overrides(tmp_path / parallel / "layout_first", tiny_dataset, steps=4, parallel=parallel,
+                                      **{"train.stop_after": 3}),
+                 fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=parallel)]
+    result = torchrun_runs(runs, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    for run in (layout_first, single_first):
-        train, val = losses(run)
-        assert sorted(train) == [1, 2, 3, 4], run.name
-        for step in train:
-            assert train[step] == pytest.approx(reference[step], rel=1e-5), (run.name, step)
-        assert val[3] == pytest.approx(reference_val[3], rel=1e-5), run.name
+    for parallel in layouts:
+        layout_first = tmp_path / parallel / "layout_first"
+        Trainer(load_config(fast_train_overrides(layout_first, tiny_dataset, steps=4)), init_distributed()).fit()
+        for run in (layout_first, tmp_path / parallel / "single_first"):
+            label = f"{parallel}/{run.name}"
+            train, val = losses(run)
+            assert sorted(train) == [1, 2, 3, 4], label
+            for step in train:
+                assert train[step] == pytest.approx(reference[step], rel=1e-5), (label, step)
+            assert val[3] == pytest.approx(reference_val[3], rel=1e-5), label
 
 
 @pytest.mark.parametrize("overrides, fragment", [

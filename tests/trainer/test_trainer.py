@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, torchrun, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import ConfigError, load_config
@@ -131,9 +131,10 @@ def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
 def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset):
     single, ddp, ddp_resumed = tmp_path / "single", tmp_path / "ddp", tmp_path / "ddp_resumed"
     train(fast_train_overrides(single, tiny_dataset, steps=6))
-    for run, extra in [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {})]:
-        result = torchrun(fast_train_overrides(run, tiny_dataset, steps=6, **extra))
-        assert result.returncode == 0, result.stderr[-3000:]
+    # One launch: the resumed run continues from its checkpoint in processes whose RNGs have moved on since.
+    result = torchrun_runs([fast_train_overrides(run, tiny_dataset, steps=6, **extra) for run, extra in
+                            [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {})]], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     one, two, two_resumed = losses(single), losses(ddp), losses(ddp_resumed)
     assert two == two_resumed  # DDP resume is bitwise too
     # Same global batch, gradients averaged over 2 ranks instead of accumulated in one: equal up to
