@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
@@ -39,10 +39,10 @@ def test_compiled_blocks_train_with_the_eager_losses(tmp_path, tiny_dataset):
 def test_compiled_blocks_under_the_pipeline_with_full_checkpointing_train_with_the_eager_losses(
         tmp_path, tiny_dataset):
     runs = {"eager": {}, "compiled": {"train.compile": "true", "train.activation_checkpointing": "full"}}
-    for name, extra in runs.items():
-        result = torchrun(fast_train_overrides(tmp_path / name, tiny_dataset, steps=3,
-                                               **{**TWO_DENSE_BLOCKS, "parallel": "pp2", **extra}), timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun_runs([fast_train_overrides(tmp_path / name, tiny_dataset, steps=3,
+                                                 **{**TWO_DENSE_BLOCKS, "parallel": "pp2", **extra})
+                            for name, extra in runs.items()], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert len(eager) == 3
     assert compiled == pytest.approx(eager, abs=1e-4)
