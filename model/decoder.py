@@ -79,10 +79,7 @@ class Decoder(nn.Module):
         state.reads = self.depth_reads(blocks)
         for block in blocks:
             block_cache = None if cache is None else cache[block.index]
-            if document_starts is None:  # today's call, the one parallel/'s wrappers of block.forward take
-                state = block(state, self.mixer, block_cache)
-            else:
-                state = block(state, self.mixer, block_cache, document_starts)
+            state = block(state, self.mixer, block_cache, document_starts)
         return state
 
     def read_out(self, state: DepthState) -> torch.Tensor:

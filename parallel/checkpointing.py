@@ -136,9 +136,9 @@ class _CheckpointedBlock:
     def __init__(self, block: nn.Module, forward, mode: str):
         self.block, self.forward, self.mode = block, forward, mode
 
-    def __call__(self, state: DepthState, mixer, cache=None) -> DepthState:
+    def __call__(self, state: DepthState, mixer, cache=None, document_starts=None) -> DepthState:
         if cache is not None or not torch.is_grad_enabled():
-            return self.forward(state, mixer, cache)
+            return self.forward(state, mixer, cache, document_starts)
         if state.pending_write is not None:
             raise RuntimeError(f"block {self.block.index}: a pending mHC write crosses the block boundary")
         inputs, in_layout = _flatten(state.blocks, state.partial, state.block_inv_rms, state.phase1)
@@ -152,7 +152,7 @@ class _CheckpointedBlock:
             recorded = {} if recompute.active and diagnostics is not None else diagnostics
             inner = self.forward(DepthState(blocks=list(blocks), partial=partial, next_sublayer=sublayer, reads=reads,
                                             block_inv_rms=list(inv_rms), phase1=dict(phase1),
-                                            diagnostics=recorded), mixer)
+                                            diagnostics=recorded), mixer, None, document_starts)
             # Only what the block made leaves the boundary: phase-1 entries it received and did not
             # consume stay outside, unchanged.
             added = {k: v for k, v in inner.phase1.items() if v is not phase1.get(k)}

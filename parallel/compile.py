@@ -57,7 +57,9 @@ class _CompiledBlock:
         self.eager = forward
         self.compiled = torch.compile(forward)
 
-    def __call__(self, state: DepthState, mixer: nn.Module, cache=None) -> DepthState:
+    def __call__(self, state: DepthState, mixer: nn.Module, cache=None, document_starts=None) -> DepthState:
         if cache is not None or not torch.is_grad_enabled():
-            return self.eager(state, mixer, cache)
-        return self.compiled(state, mixer)
+            return self.eager(state, mixer, cache, document_starts)
+        if document_starts is None:  # the call without masking keeps the graph it always had
+            return self.compiled(state, mixer)
+        return self.compiled(state, mixer, None, document_starts)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from model.decoder import Decoder
+from model.documents import document_starts
 from model.init import materialise
 from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import DistInfo, Layout
@@ -94,7 +95,14 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
 class DataParallelEngine:
     """pp == 1, fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. `wrapped` is what
     runs the forward; `grads_dp_averaged`: the backward averages gradients over the data ranks itself;
-    `lockstep`: a forward talks to other data ranks, so evaluation keeps every rank running."""
+    `lockstep`: a forward talks to other data ranks, so evaluation keeps every rank running;
+    `document_boundary`: the end-of-text id with document masking (build_engine), None without."""
+
+    document_boundary: int | None = None
+
+    def _document_starts(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) starts of the whole sequence: under tp the token mixers see it whole, not this rank's slice."""
+        return None if self.document_boundary is None else document_starts(inputs, self.document_boundary)
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
         self.info, self.layout = info, layout
@@ -119,12 +127,14 @@ class DataParallelEngine:
         total = torch.zeros((), device=self.info.device)
         tp = self.layout.tp
         for index, (inputs, targets) in enumerate(micro_batches):
+            starts = self._document_starts(inputs)
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             last = index == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
                 with autocast():
-                    logits = self.wrapped(inputs, diagnostics=diagnostics if index == 0 else None)
+                    logits = self.wrapped(inputs, diagnostics=diagnostics if index == 0 else None,
+                                          document_starts=starts)
                 loss = cross_entropy(logits, targets)
                 ((loss + self.model.aux_loss().to(loss.device)) / (len(micro_batches) * tp)).backward()
             total += loss.detach()
@@ -138,9 +148,10 @@ class DataParallelEngine:
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=self.lockstep):
+            starts = self._document_starts(inputs)
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             with autocast():
-                logits = self.model(inputs)
+                logits = self.model(inputs, document_starts=starts)
             if counted:
                 loss_sum += cross_entropy(logits, targets).item() * targets.numel()
                 tokens += targets.numel()
@@ -236,19 +247,25 @@ class PipelineEngine:
 
 def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int, seq_len: int,
                  microbatches: int, activation_checkpointing: str = "none", seed: int = 0,
-                 precision: torch.dtype = torch.float32):
+                 precision: torch.dtype = torch.float32, document_boundary: int | None = None):
     """`model` may be on the meta device (build_model(cfg, device="meta")): each engine allocates and
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
     materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
-    parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's."""
+    parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's.
+    `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
+    if document_boundary is not None and layout.pp > 1:
+        raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.fsdp > 1 and layout.pp == 1:
         from parallel.fsdp import FullyShardedEngine
 
-        return FullyShardedEngine(model, info, layout, seed, precision)
-    if layout.pp == 1:
-        return DataParallelEngine(model, info, layout, seed)
-    return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
+        engine = FullyShardedEngine(model, info, layout, seed, precision)
+    elif layout.pp == 1:
+        engine = DataParallelEngine(model, info, layout, seed)
+    else:
+        return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
+    engine.document_boundary = document_boundary
+    return engine
 
 
 def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:

@@ -6,7 +6,11 @@ blocks as train.compile=true does (parallel/compile.py), so the ratios compare c
 the warm-up step then includes the compile, the timed rounds do not.
 
     python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8] [--compile]
-                                 [--variants baseline,block]
+                                 [--variants baseline,block] [--document-length 64]
+
+--document-length L also times every variant with document masking (data.document_masking=true): an
+end-of-text token every L tokens on average (uniform gaps in [1, 2L - 1]), its ratio to the same
+variant unmasked in the last column.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 import torch
 
 from model import build_model
+from model.documents import document_starts
 from parallel.compile import apply_compile
 from trainer.config import load_config
 
@@ -36,6 +41,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile=true)")
+    parser.add_argument("--document-length", type=int, default=0,
+                        help="also time document masking at this mean document length in tokens (0: do not)")
     parser.add_argument("--variants", default=",".join(CASES),
                         help=f"comma-separated subset of {', '.join(CASES)} (the baseline is always timed)")
     args = parser.parse_args()
@@ -43,6 +50,8 @@ def main() -> None:
     unknown = [v for v in variants if v not in CASES]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(CASES)}")
+    if args.document_length < 0:
+        parser.error(f"--document-length={args.document_length} must be >= 0 (0: no document masking)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -54,11 +63,21 @@ def main() -> None:
         if args.compile:
             apply_compile(models[name])
         vocab = models[name].cfg.vocab_size
-    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, vocab, (args.batch, args.seq), generator=generator)
+    cases = {name: (model, None) for name, model in models.items()}
+    if args.document_length:
+        eot = 0  # a stand-in end-of-text id: drawn tokens are >= 1
+        gaps = torch.randint(1, 2 * args.document_length, (args.batch, args.seq), generator=generator)
+        ends = gaps.cumsum(dim=1)  # (B, n) positions of document ends, of which those < seq are used
+        for row in range(args.batch):
+            tokens[row, ends[row][ends[row] < args.seq]] = eot
+        starts = document_starts(tokens, eot)
+        cases.update({f"{name} masked": (model, starts) for name, model in models.items()})
 
-    def step(model) -> float:
+    def step(model, starts) -> float:
         start = time.perf_counter()
-        logits = model(tokens)
+        logits = model(tokens, document_starts=starts)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
@@ -66,20 +85,22 @@ def main() -> None:
     # Warm-up; compiled, a second step too: MoE expert sizes change between steps and recompile once with
     # dynamic shapes.
     for _ in range(2 if args.compile else 1):
-        for model in models.values():
-            step(model)
-    times = {name: [] for name in models}
+        for model, starts in cases.values():
+            step(model, starts)
+    times = {name: [] for name in cases}
     for _ in range(args.rounds):
-        for name, model in models.items():
-            times[name].append(step(model))
+        for name, (model, starts) in cases.items():
+            times[name].append(step(model, starts))
 
-    base = statistics.median(times["baseline"])
+    medians = {name: statistics.median(samples) for name, samples in times.items()}
     print(f"model={args.model} batch={args.batch} seq={args.seq} rounds={args.rounds} "
-          f"threads={torch.get_num_threads()} torch={torch.__version__} compile={args.compile}")
-    print(f"{'variant':<24}{'step (ms)':>12}{'ratio':>8}")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:<24}{median * 1e3:>12.1f}{median / base:>8.3f}")
+          f"threads={torch.get_num_threads()} torch={torch.__version__} compile={args.compile}"
+          + (f" document_length={args.document_length}" if args.document_length else ""))
+    print(f"{'variant':<28}{'step (ms)':>12}{'ratio':>8}" + (f"{'vs unmasked':>13}" if args.document_length else ""))
+    for name, median in medians.items():
+        masked = name.removesuffix(" masked")
+        versus = f"{median / medians[masked]:>13.3f}" if masked != name else ""
+        print(f"{name:<28}{median * 1e3:>12.1f}{median / medians['baseline']:>8.3f}{versus}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class DataConfig:
     path: str | None = None
     cache_dir: str | None = None
     tokenizer: str | None = None      # a tokenizers tokenizer.json to use instead of training a BPE
+    document_masking: bool = False    # no token sees an earlier document of its window (model/documents.py)
 
 
 @dataclass
@@ -293,6 +294,9 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
     if p.pp > 1:
+        if cfg.data.document_masking:
+            raise ConfigError("data.document_masking=true is not supported under pipeline parallelism (parallel.pp > "
+                              "1) yet: the document starts are not sent between stages; use pp=1 layouts")
         if r.variant in STREAM_VARIANTS:
             raise ConfigError(f"variant={r.variant} is not supported under pipeline parallelism (parallel.pp > 1): "
                               "its m streams are not a stage boundary tensor; use parallel=single or dp2")

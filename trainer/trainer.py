@@ -112,7 +112,7 @@ class Trainer:
         # would have for cfg.seed (model.init).
         self.engine = build_engine(build_model(cfg, device="meta"), info, self.layout, parallel, train.micro_batch,
                                    train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed,
-                                   precision=self.precision)
+                                   precision=self.precision, document_boundary=self._document_boundary())
         self.model = self.engine.model
         if train.compile:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
@@ -182,6 +182,17 @@ class Trainer:
                               f"fewer windows than train.global_batch={cfg.train.global_batch}")
         if num_windows(len(self.val_data), seq_len) == 0:
             raise ConfigError(f"train.seq_len={seq_len} is longer than the validation split ({len(self.val_data)} tokens)")
+
+    def _document_boundary(self) -> int | None:
+        """The end-of-text id documents are masked at (data.document_masking), from the dataset's manifest."""
+        if not self.cfg.data.document_masking:
+            return None
+        eot_id = getattr(self.train_data, "eot_id", None)
+        if eot_id is None:
+            raise ConfigError(f"data.document_masking=true needs the end-of-text id, which a prepared dataset's "
+                              f"manifest records and {self.cfg.data.path} (a Megatron prefix) does not; prepare the "
+                              "text with scripts.prepare_data or set data.document_masking=false")
+        return eot_id
 
     def _resume(self) -> Path | None:
         resume = self.cfg.resume
