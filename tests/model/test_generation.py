@@ -73,16 +73,15 @@ def test_empty_prompt_is_refused():
 
 
 def test_compiled_decode_generates_the_eager_tokens_with_a_bounded_number_of_compiles():
-    """One MLA block, whose cache grows every token, keeps the compile short (a KDA block's compiled decode
-    is checked by tests/trainer/test_generate_cli.py). One graph for the first step (the cache as prefill
-    left it) and one for every later step (dynamo marks the growing length dynamic): 12 tokens must not
-    compile 12 times."""
+    """Two blocks (KDA, then MLA, whose cache grows every token) keep the compile short. One graph for
+    the first step (the cache as prefill left it) and one for every later step (dynamo marks the growing
+    length dynamic): 12 tokens must not compile 12 times."""
     # Imported here, not at the top: torch._dynamo imports triton, which must come after the kernel
     # tests (tests/kernels/kernel_device.py) choose the interpreter when pytest collects them.
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = build_model(load_config(["model=xs", "variant=block", "model.n_blocks=1", "model.mla_every=1"])).eval()
+    model = build_model(load_config(["model=xs", "variant=block", "model.n_blocks=2", "model.mla_every=2"])).eval()
     torch._dynamo.reset()
     counters.clear()
     compiled = generate(model, TOKENS[:, :5], max_new_tokens=12, compile=True)

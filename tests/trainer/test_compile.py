@@ -1,7 +1,8 @@
 """train.compile=true: each transformer block compiled (parallel/compile.py) trains with eager's losses,
 in one process and under the pipeline with full activation checkpointing. Inductor compiles a block's
 forward and backward in about 45 s on this CPU, one block after another in a process: one dense block in
-one process, and two under pp2 (one per stage, compiled side by side), keep the graphs few."""
+one process (an MLA block: the last block always is), and two under pp2 (KDA on stage 0, MLA on stage 1,
+compiled side by side), keep the graphs few and compile both mixers."""
 import json
 
 import pytest

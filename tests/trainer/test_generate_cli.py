@@ -74,7 +74,8 @@ def test_the_prompt_is_taken_verbatim(export_dir, capsys, prompt):
 
 @pytest.fixture(scope="module")
 def one_block_export_dir(run_dir, tiny_dataset):
-    """The export of a one-block model: decode compiles per block, and wiring compile=true needs only one."""
+    """The export of a one-block model (an MLA block): decode compiles per block, and checking that compile=true
+    reaches the decoder needs only one (tests/model/test_generation.py compiles KDA and MLA decode steps)."""
     run = run_dir.parent / "one_block_run"
     Trainer(load_config(fast_train_overrides(run, tiny_dataset, steps=2, **{"model.n_blocks": 1})),
             init_distributed()).fit()
