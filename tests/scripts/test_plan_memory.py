@@ -1,20 +1,22 @@
 """scripts/plan_memory.py and parallel/memory_plan.py: parameter counts per rank, fsdp sharding, the
 activation formula against scripts/bench_memory.py's measurements, the CLI's verdicts and errors."""
+import contextlib
+import io
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+import scripts.plan_memory as plan_memory
 from parallel.memory_plan import MIB, LayoutSpec, activation_elements, count_rank_parameters, plan, refusal
 from trainer.config import load_config
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scripts.plan_memory", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    """`python -m scripts.plan_memory ARGS`, run in this process (its main takes argv and returns the exit
+    code): a child process would spend most of its time importing torch."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan_memory.main(list(args))
+    return subprocess.CompletedProcess(["scripts.plan_memory", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_parameters_per_rank_sum_to_the_model_over_pp_tp_ep():
