@@ -1,7 +1,5 @@
 """scripts.depth_matrix on trained runs: rank 1 for the baseline, more for Full; the comparison report's M panel."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -61,6 +59,8 @@ def test_the_comparison_report_shows_every_variants_matrix(trained_runs, tmp_pat
     (["checkpoint=x", "batches=0"], "error: batches=0 must be at least 1"),
     (["checkpoint=x", "depth=3"], "error: unknown key 'depth'"),
 ])
-def test_bad_arguments_are_one_line(args, message):
-    result = subprocess.run([sys.executable, "-m", "scripts.depth_matrix", *args], capture_output=True, text=True)
-    assert result.returncode == 2 and result.stderr.startswith(message) and result.stderr.count("\n") == 1
+def test_bad_arguments_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:  # main(argv) in this process, as `python -m scripts.depth_matrix`
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(message) and err.count("\n") == 1
