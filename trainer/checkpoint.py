@@ -243,9 +243,7 @@ def _prune(checkpoints_dir: Path, keep_last: int, saved: Path) -> None:
     kept = [p for p in _complete_checkpoints(checkpoints_dir) if p.name <= saved.name and p.name not in pinned]
     for old in kept[: max(0, len(kept) - keep_last)]:
         shutil.rmtree(old)
-    # Leftovers of saves killed mid-write; the save in progress has already been renamed.
-    for stale in checkpoints_dir.glob(TMP_PREFIX + "*"):
-        _remove(stale)
+    remove_partial_saves(checkpoints_dir.parent)  # the save in progress has already been renamed
 
 
 def _remove(entry: Path) -> None:

@@ -207,10 +207,10 @@ class Trainer:
         optimizers = self.optimizer.optimizers
         # Optimizer state exists for what the checkpoint's last step trained: load into that set.
         retrofit.set_trainable(self.model, self.cfg.train, max(0, read_meta(path)["step"] - 1))
-        extra, _ = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
-                                   fingerprint=self.fingerprint, shards=self.engine.shards,
-                                   verify=resume != "auto")
-        self._restore_extra(path, extra, read_meta(path)["step"])
+        extra, meta = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
+                                      fingerprint=self.fingerprint, shards=self.engine.shards,
+                                      verify=resume != "auto")
+        self._restore_extra(path, extra, meta["step"])
         return path
 
     def _restore_extra(self, path: Path, extra: dict, step: int) -> None:
