@@ -135,15 +135,64 @@ def seeded_copies(tiny_runs, tmp_path, one_block_scale: float) -> list:
 def test_sanity_panel_flags_a_one_block_run_that_beats_the_baseline(tmp_path, tiny_runs):
     text = build_report(seeded_copies(tiny_runs, tmp_path, 0.9), tmp_path / "report", "bad").read_text()
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
-    assert "xs: one block (block S=8) minus baseline = -0." in panel
-    assert "**Warning: the sign of a mis-specified baseline.**" in panel
+    assert "xs: one block (block S=8) minus baseline = -0." in panel and "(paired, 2 seeds)" in panel
+    assert "**Warning: the sign of a mis-specified baseline, or of a gain that is access to the embedding.**" in panel
     assert "| read | xs block S=8 |" in panel and "| final |" in panel
 
 
 def test_sanity_panel_passes_a_one_block_run_level_with_the_baseline(tmp_path, tiny_runs):
     text = build_report(seeded_copies(tiny_runs, tmp_path, 1.001), tmp_path / "report", "good").read_text()
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
-    assert "consistent with the paper" in panel and "Warning" not in panel
+    assert "within 2 pooled std" in panel and "Warning" not in panel
+
+
+def with_controls(tiny_runs, tmp_path, scales: dict[str, float]) -> list:
+    """seeded_copies' baseline at seeds 0 and 1, plus runs whose final losses are the baseline's times
+    scales[name] (the same jitter per seed): one-block (S=8), block (S=2) and x0."""
+    runs = []
+    base = final_val_loss(tiny_runs["baseline"])
+    for seed, jitter in ((0, 1.0), (1, 1.004)):
+        runs.append(edited_copy(tiny_runs["baseline"], tmp_path / f"baseline-s{seed}", {"seed": seed},
+                                loss_scale=jitter))
+        for name, source, config in (("one-block", "block", {"model.residual.block_size": 8}),
+                                     ("block", "block", {}),
+                                     ("x0", "baseline", {"model.residual.variant": "x0"})):
+            runs.append(edited_copy(tiny_runs[source], tmp_path / f"{name}-s{seed}", {"seed": seed, **config},
+                                    loss_scale=jitter * scales[name] * base / final_val_loss(tiny_runs[source])))
+    return runs
+
+
+def sanity_panel(runs, tmp_path) -> str:
+    return build_report(runs, tmp_path / "report", "controls").read_text().split("## Sanity checks")[1] \
+        .split("## Loss curves")[0]
+
+
+def test_sanity_panel_warns_when_one_block_beats_the_depth_selecting_variants(tmp_path, tiny_runs):
+    panel = sanity_panel(with_controls(tiny_runs, tmp_path, {"one-block": 0.9, "block": 0.97, "x0": 0.95}), tmp_path)
+    assert "ahead of the best depth-selecting variant (block S=2)" in panel
+    assert "**Warning: the fewer the blocks, the better.**" in panel
+
+
+def test_sanity_panel_states_each_variants_gain_over_x0_and_its_depth_selection_share(tmp_path, tiny_runs):
+    runs = with_controls(tiny_runs, tmp_path, {"one-block": 0.98, "block": 0.9, "x0": 0.96})
+    panel = sanity_panel(runs, tmp_path)
+    assert "Warning" not in panel and "consistent with the paper" in panel
+    base = final_val_loss(tiny_runs["baseline"])
+    # Seed 1 scales every loss by 1.004, so the paired differences are d and 1.004 d.
+    for name, scale in (("x0", 0.96), ("block", 0.9)):
+        d = (scale - 1) * base if name == "x0" else (scale - 0.96) * base
+        expected = f"{(d + 1.004 * d) / 2:+.4f} ± {abs(0.004 * d) / 2 ** 0.5:.4f} (paired, 2 seeds)"
+        assert expected in panel, (name, expected)
+    assert "x0 minus baseline = " in panel and "the gain of access to the embedding alone" in panel
+    # block's gain over the baseline is 0.10 base, 0.06 base of it over x0: 60% needs depth selection.
+    assert "- block S=2: AttnRes's gain over x0 is" in panel and "depth-selection share of its gain over the " \
+           "baseline is 60%" in panel
+
+
+def test_sanity_panel_asks_for_an_x0_run_beside_attnres(tmp_path, tiny_runs):
+    panel = sanity_panel(seeded_copies(tiny_runs, tmp_path, 1.001), tmp_path)
+    assert "xs: no x0 run, so embedding access and attention over depth cannot be told apart (add a run with " \
+           "`variant=x0`)." in panel
 
 
 def test_sanity_panel_asks_for_a_one_block_run_when_there_is_none(tmp_path, tiny_runs):
@@ -162,7 +211,7 @@ def test_sanity_panel_borrows_the_seed_spread_of_its_size_for_a_single_seed_cont
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
     flat_line = next(line for line in panel.splitlines() if line.startswith("- xs init=flat:"))
     scaled_line = next(line for line in panel.splitlines() if line.startswith("- xs init=scaled:"))
-    assert "Warning" in flat_line and "consistent with the paper" in scaled_line
+    assert "Warning" in flat_line and "within 2 pooled std" in scaled_line
 
 
 def test_parabola_minimum_finds_the_optimum_between_two_tied_points():
