@@ -47,7 +47,9 @@ def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_datas
 def test_unknown_experiment_is_one_clear_line(capsys):
     with pytest.raises(SystemExit):
         compare.main(["experiment=nope"])
-    assert "experiment='nope' is not one of ablations | cpu_repro | lr_sweep | quick | scaling" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "experiment='nope' is not one of ablations | controls | cpu_repro | lr_sweep | quick | scaling" in err
 
 
 def test_shards_split_the_plan_and_the_last_call_reports(tmp_path, tiny_dataset, monkeypatch):
