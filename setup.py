@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# trainer.evaluate (lm-evaluation-harness as a library) and trainer.export format=hf. transformers is held
+# to one minor release: the exported model's generate() goes through its cache hand-off, which still moves.
+EVAL = ["transformers>=5.24,<5.25", "lm-eval>=0.4.13,<0.5"]
+
 setup(
     name="attnres",
     version="0.1.0",
@@ -21,8 +25,10 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (checked with triton 3.9).
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.9,<4"],
+        # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (checked with triton 3.9), and
+        # the evaluation and Hugging Face export tests need the eval extra.
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.9,<4", *EVAL],
+        "eval": EVAL,
         # CUDA builds of torch bring the triton they were built with; this only bounds it.
         "gpu": ["triton>=3.4,<4", "flash-linear-attention"],
         "megatron": ["megatron-core"],

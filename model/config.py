@@ -93,3 +93,13 @@ class ModelConfig:
         if r.block_size is not None:
             return r.block_size
         return max(1, round(self.n_sublayers / 8))
+
+
+NESTED_CONFIGS = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "residual": ResidualConfig}
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """The inverse of dataclasses.asdict(ModelConfig): the model config an export wrote as JSON. An unknown key
+    raises TypeError naming it."""
+    return ModelConfig(**{key: NESTED_CONFIGS[key](**value) if key in NESTED_CONFIGS else value
+                          for key, value in values.items()})

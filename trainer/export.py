@@ -7,8 +7,13 @@ Options (key=value):
   out=            (required) the export directory to write; it must not exist or be empty
   overwrite=false replace an existing export in out (a directory holding only an export's files: anything
                   else in it is refused, never deleted)
+  format=native   native: the files below, for trainer.generate and trainer.evaluate; hf: a Hugging Face
+                  transformers model (trainer/hf/export.py), loaded with
+                  AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+  max_shard_size=5GB  format=hf: the largest safetensors file (bytes, or a number with KB, MB or GB); larger
+                  weights are split into shards with an index
 
-Writes, all at once (a temporary directory renamed into place, so a failure leaves nothing half-written):
+format=native writes, all at once (a temporary directory renamed into place, so a failure leaves nothing half-written):
   out/model.safetensors  the model's weights and buffers (safetensors: plain tensors, no code); its header
                          records the step and the trained context (train.seq_len)
   out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -35,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from trainer.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from trainer.hf.export import is_hf_export, write_hf_export
 from trainer.trained import load_trained
 
 MODEL_FILE = "model.safetensors"
@@ -45,6 +52,10 @@ EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE)
 # Kimi Linear's 1M tokens.
 MAX_CONTEXT = 2 ** 20
 HELP_FLAGS = ("-h", "--help")
+FORMATS = ("native", "hf")
+SHARD_SIZE = re.compile(r"[1-9][0-9]*([KMG]B)?")
+# What an export of each format writes, so overwrite=true replaces nothing else.
+HF_EXPORT_SUFFIXES = (".py", ".json", ".safetensors")
 
 
 class ExportError(ValueError):
@@ -56,6 +67,8 @@ class ExportArgs:
     checkpoint: str | None = None
     out: str | None = None
     overwrite: bool = False
+    format: str = "native"
+    max_shard_size: str = "5GB"
 
 
 def parse_key_values(argv: list[str], schema: type, error: type[Exception]):
@@ -100,22 +113,40 @@ def safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return ready
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    """out may be new, empty, or (with overwrite) an export and nothing else: replacing it removes the
-    whole directory, so a directory holding anything more is refused rather than emptied."""
+def _is_export(out: Path, format: str) -> bool:
+    return is_hf_export(out) if format == "hf" else (out / MODEL_FILE).is_file()
+
+
+def _written_by_export(name: str, format: str) -> bool:
+    return name.endswith(HF_EXPORT_SUFFIXES) if format == "hf" else name in EXPORT_FILES
+
+
+def _check_out(out: Path, overwrite: bool, format: str) -> None:
+    """out may be new, empty, or (with overwrite) an export of `format` and nothing else: replacing it removes
+    the whole directory, so a directory holding anything more is refused rather than emptied."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"out={out} is a file; give a directory to create")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / MODEL_FILE).is_file():
-            raise ExportError(f"out={out} is a non-empty directory that is not an export; pick another out")
+        if not _is_export(out, format):
+            kind = "a format=hf export" if format == "hf" else "an export"
+            raise ExportError(f"out={out} is a non-empty directory that is not {kind}; pick another out")
         foreign = sorted(f"{entry.name}/" if entry.is_dir() and not entry.is_symlink() else entry.name
                          for entry in out.iterdir()
-                         if entry.name not in EXPORT_FILES or (entry.is_dir() and not entry.is_symlink()))
+                         if not _written_by_export(entry.name, format) or (entry.is_dir() and not entry.is_symlink()))
         if foreign:
+            owned = ", ".join(f"*{suffix}" for suffix in HF_EXPORT_SUFFIXES) if format == "hf" else ", ".join(EXPORT_FILES)
             raise ExportError(f"out={out} holds {', '.join(foreign)} besides an export; an export replaces only "
-                              f"{', '.join(EXPORT_FILES)}: move the rest away or pick another out")
+                              f"{owned}: move the rest away or pick another out")
         if not overwrite:
             raise ExportError(f"out={out} already holds an export; pass overwrite=true to replace it")
+
+
+def check_format(format: str, max_shard_size: str) -> None:
+    if format not in FORMATS:
+        raise ExportError(f"format={format!r} is not one of {' | '.join(FORMATS)}")
+    if not SHARD_SIZE.fullmatch(max_shard_size):
+        raise ExportError(f"max_shard_size={max_shard_size!r} is not a size: give bytes (1000000) or a number "
+                          "with KB, MB or GB (5GB)")
 
 
 def _check_tokenizer(tokenizer: Path) -> None:
@@ -166,15 +197,17 @@ def _put_in_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(tmp: Path, out: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
+def _write(tmp: Path, out: Path, write_files) -> str:
+    """write_files(tmp), then tmp renamed into place as out; returns what write_files says it wrote."""
     try:
-        _write_files(tmp, model, checkpoint, meta, tokenizer)
+        written = write_files(tmp)
         _put_in_place(tmp, out)
+        return written
     except OSError as error:
         raise ExportError(f"out={out} cannot be written ({error})") from None
 
 
-def _write_files(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> None:
+def _write_native(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> str:
     save_file(safetensors_ready(model.state_dict()), tmp / MODEL_FILE,
               metadata={"format": "pt", "step": str(meta.get("step")),
                         "seq_len": str(meta["config"]["train"]["seq_len"])})
@@ -183,27 +216,43 @@ def _write_files(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict
     (tmp / CONFIG_FILE).write_text(json.dumps(described, indent=2) + "\n")
     if tokenizer.is_file():
         _copy_regular_file(tokenizer, tmp / TOKENIZER_FILE)
+    return f"{(tmp / MODEL_FILE).stat().st_size:,} bytes in {MODEL_FILE}"
 
 
-def export(checkpoint: str, out: str, overwrite: bool = False) -> str:
-    """Write the export of `checkpoint` to `out`; returns the one-line summary."""
+def _write_hf(tmp: Path, model: torch.nn.Module, meta: dict, tokenizer: Path, max_shard_size: str) -> str:
+    shard_size = int(max_shard_size) if max_shard_size.isdigit() else max_shard_size
+    return write_hf_export(tmp, model.cfg, safetensors_ready(model.state_dict()), meta["config"]["train"]["seq_len"],
+                           meta.get("step"), tokenizer, _copy_regular_file, shard_size)
+
+
+def export(checkpoint: str, out: str, overwrite: bool = False, format: str = "native",
+           max_shard_size: str = "5GB") -> str:
+    """Write the export of `checkpoint` to `out` in `format`; returns the one-line summary."""
+    check_format(format, max_shard_size)
     path = resolve_checkpoint(checkpoint)
     meta = read_meta(path)
     out_dir = Path(out)
-    _check_out(out_dir, overwrite)
+    _check_out(out_dir, overwrite, format)
     tokenizer = run_dir_of(path) / TOKENIZER_FILE
     _check_tokenizer(tokenizer)
     tmp = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
     try:
         model = load_trained(path).model
-        _write(tmp, out_dir, model, path, meta, tokenizer)
+        if format == "hf":
+            written = _write(tmp, out_dir, lambda into: _write_hf(into, model, meta, tokenizer, max_shard_size))
+        else:
+            written = _write(tmp, out_dir, lambda into: _write_native(into, model, path, meta, tokenizer))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     parameters = sum(p.numel() for p in model.parameters())
-    size = (out_dir / MODEL_FILE).stat().st_size
-    note = "" if tokenizer.is_file() else f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, pass tokenizer= to generate"
-    return (f"exported step {meta.get('step')} of {path} to {out_dir}: {parameters:,} parameters, "
-            f"{size:,} bytes in {MODEL_FILE}{note}")
+    if tokenizer.is_file():
+        note = ""
+    elif format == "hf":
+        note = f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, so the export has no tokenizer"
+    else:
+        note = f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, pass tokenizer= to generate"
+    return (f"exported step {meta.get('step')} of {path} to {out_dir} (format={format}): {parameters:,} parameters, "
+            f"{written}{note}")
 
 
 def read_export_config(export_dir: Path) -> dict:
@@ -290,7 +339,7 @@ def _export_cli(argv: list[str]) -> str:
     args = parse_key_values(argv, ExportArgs, ExportError)
     if not args.checkpoint or not args.out:
         raise ExportError("checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export")
-    return export(args.checkpoint, args.out, args.overwrite)
+    return export(args.checkpoint, args.out, args.overwrite, args.format, args.max_shard_size)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """AR-Retrofit: start a run from another run's weights (`init_from`) and train only part of the model
 (`train.trainable`, `train.unfreeze_after`).
 
-init_from loads a trained run's model weights into a freshly built model before step 1 (never on resume).
+init_from loads a trained run's model weights into a freshly built model before step 1 (never on resume):
+from a run, one of its checkpoints, or a Hugging Face export (trainer.export format=hf, read as safetensors).
 Every parameter and buffer of the source must exist in the target with the same shape; the target may
 add only depth-read parameters (`*_res.*`, `final_res.*`), which keep their fresh initialisation: zero
 pseudo-queries and unit key-norm gains make every read the uniform average of its sources, which is the
@@ -26,6 +27,7 @@ from torch import nn
 from model.norms import RMSNorm
 from trainer.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
+from trainer.hf.export import HFExportError, is_hf_export, read_hf_state
 
 TRAINABLE = ("all", "residual", "norms")
 
@@ -84,17 +86,25 @@ def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp:
 
 
 def _source_state(path: Path) -> dict[str, torch.Tensor]:
-    """The source run's model state (parameters and persistent buffers), loaded through the checkpoint loader."""
+    """The source's model state (parameters and persistent buffers): a Hugging Face export's safetensors, or a
+    checkpoint through the checkpoint loader."""
+    if is_hf_export(path):
+        try:
+            return read_hf_state(path)
+        except HFExportError as error:
+            raise CheckpointError(f"init_from={path}: {error}") from None
     from trainer.trained import load_trained
 
     return load_trained(path).model.state_dict()
 
 
 def init_from(model: nn.Module, init_path: str) -> Path:
-    """Copy the weights of `init_path` (a checkpoint or run directory) into `model`; returns the checkpoint."""
+    """Copy the weights of `init_path` (a checkpoint or run directory, or a Hugging Face export) into `model`;
+    returns the checkpoint or export read."""
     if not Path(init_path).exists():
-        raise ConfigError(f"init_from={init_path} does not exist; give a run directory or one of its checkpoints")
-    path = resolve_checkpoint(init_path)
+        raise ConfigError(f"init_from={init_path} does not exist; give a run directory, one of its checkpoints or "
+                          "a trainer.export format=hf directory")
+    path = Path(init_path) if is_hf_export(Path(init_path)) else resolve_checkpoint(init_path)
     source = _source_state(path)
     target = model.state_dict()
     for name, tensor in source.items():

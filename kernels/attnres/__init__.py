@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attnres import reference
-from kernels.attnres.reference import depth_scores, inverse_rms, merge, source_weights, weighted_sum
+# Names, not the module: an exported model's flattened copy of this package (trainer/hf/bundle.py) keeps
+# only imports of the form `from MODULE import NAME`.
+from kernels.attnres.reference import depth_attention as reference_depth_attention
+from kernels.attnres.reference import (depth_attention_stacked, depth_scores, inverse_rms, merge, phase1_stacked,
+                                       source_weights, weighted_sum)
+from kernels.attnres.reference import phase1 as reference_phase1
+from kernels.attnres.reference import phase2 as reference_phase2
 from kernels.select import IMPLS, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,7 +31,7 @@ def _few_tokens(source: torch.Tensor) -> bool:
 def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, inv_rms: list[torch.Tensor] | None,
                     kernel: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """The per-layer read (reference only): h (B, T, d) and alpha (N, B, T, H) as in `reference.depth_attention`."""
-    read = reference.depth_attention_stacked if _few_tokens(sources[0]) else reference.depth_attention
+    read = depth_attention_stacked if _few_tokens(sources[0]) else reference_depth_attention
     return read(sources, query, inv_rms, kernel)
 
 
@@ -51,7 +56,7 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None,
         for block in blocks[len(cache):]:
             cache.append(inverse_rms(block, queries.shape[1], eps))
         inv_rms = cache[:len(blocks)]
-    read = reference.phase1_stacked if _few_tokens(blocks[0]) else reference.phase1
+    read = phase1_stacked if _few_tokens(blocks[0]) else reference_phase1
     return read(blocks, queries, inv_rms, kernel)
 
 
@@ -63,7 +68,7 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, partial: torch.
         from kernels.attnres import triton as fused
         return fused.phase2(o1, m1, l1, partial, query, eps)
     inv_rms = None if eps is None else inverse_rms(partial, query.shape[0], eps)
-    return reference.phase2(o1, m1, l1, partial, query, inv_rms, kernel)
+    return reference_phase2(o1, m1, l1, partial, query, inv_rms, kernel)
 
 
 __all__ = ["IMPLS", "depth_attention", "depth_scores", "inverse_rms", "merge", "phase1", "phase2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.rmsnorm import reference
+from kernels.rmsnorm.reference import rms_norm as reference_rms_norm
 from kernels.select import use_triton
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str = "aut
     if x.dtype in TRITON_DTYPES and use_triton(impl, x):
         from kernels.rmsnorm import triton as fused
         return fused.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+    return reference_rms_norm(x, weight, eps)
 
 
 __all__ = ["rms_norm"]

@@ -59,7 +59,7 @@ def test_export_writes_the_checkpoint_weights_config_and_tokenizer(run_dir, tiny
     load_checkpoint(checkpoint, model, [], None, rank=0)
     parameters = sum(p.numel() for p in model.parameters())
     size = (out / "model.safetensors").stat().st_size
-    assert result.stdout.strip() == (f"exported step 2 of {checkpoint} to {out}: {parameters:,} parameters, "
+    assert result.stdout.strip() == (f"exported step 2 of {checkpoint} to {out} (format=native): {parameters:,} parameters, "
                                      f"{size:,} bytes in model.safetensors")
 
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -170,9 +170,13 @@ def test_a_missing_or_incomplete_checkpoint_fails_in_one_line(run_dir, tmp_path,
 @pytest.mark.parametrize("argv, message", [
     ([], "checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export"),
     (["checkpoint=runs/x"], "checkpoint= and out= are required, e.g. checkpoint=runs/train out=runs/train/export"),
-    (["checkpoint=runs/x", "out=y", "dtype=bf16"], "unknown key 'dtype'; valid keys: checkpoint, out, overwrite"),
-    (["runs/x"],
-     "argument 'runs/x' is not key=value; valid keys: checkpoint, out, overwrite (--help prints the usage)"),
+    (["checkpoint=runs/x", "out=y", "dtype=bf16"],
+     "unknown key 'dtype'; valid keys: checkpoint, out, overwrite, format, max_shard_size"),
+    (["runs/x"], "argument 'runs/x' is not key=value; valid keys: checkpoint, out, overwrite, format, max_shard_size "
+                 "(--help prints the usage)"),
+    (["checkpoint=runs/x", "out=y", "format=onnx"], "format='onnx' is not one of native | hf"),
+    (["checkpoint=runs/x", "out=y", "format=hf", "max_shard_size=big"],
+     "max_shard_size='big' is not a size: give bytes (1000000) or a number with KB, MB or GB (5GB)"),
     (["checkpoint=runs/x", "out=y", "overwrite=maybe"], "overwrite: Value 'maybe' is not a valid bool (type str)"),
 ])
 def test_bad_arguments_fail_in_one_line(capsys, argv, message):

@@ -145,7 +145,8 @@ def test_a_missing_init_from_is_one_error_line(tmp_path, tiny_dataset):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: init_from={tmp_path / 'nowhere'} does not exist; give a run directory or one of its checkpoints"]
+        f"error: init_from={tmp_path / 'nowhere'} does not exist; give a run directory, one of its checkpoints or "
+        "a trainer.export format=hf directory"]
     assert not (run / "checkpoints").exists()
 
 
