@@ -15,6 +15,7 @@ share and writes no report: run the experiment once more without `shard` when ev
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,14 @@ from omegaconf import OmegaConf
 
 from parallel.dims import init_distributed, shutdown
 from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
-from scripts.experiments import Experiment, load_experiment, split_overrides
+from scripts.experiments import Evaluation, Experiment, load_experiment, split_overrides
 from scripts.report import build_report
+from scripts.report.runs import EVAL_FILE
 from trainer.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.config import ConfigError, load_config
+from trainer.evaluate import EvaluateArgs
+from trainer.evaluate import run as evaluate
+from trainer.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
 
 
@@ -49,6 +54,20 @@ def ensure_depth_matrix(run_dir: Path, say) -> None:
     say(depth_matrix(DepthMatrixArgs(checkpoint=str(run_dir))))
 
 
+def ensure_evaluation(run_dir: Path, evaluation: Evaluation | None, say) -> None:
+    """The report's downstream table reads run_dir/eval.json; one process writes what is missing."""
+    if evaluation is None or (run_dir / EVAL_FILE).is_file() or latest_checkpoint(run_dir) is None:
+        return
+    say(f"{run_dir.name}: evaluating on {', '.join(evaluation.tasks)}")
+    export_dir = run_dir / "eval-export"  # the newest checkpoint, exported for the evaluation only
+    try:
+        export(str(run_dir), str(export_dir), overwrite=True)
+        evaluate(EvaluateArgs(model=str(export_dir), tasks=",".join(evaluation.tasks), limit=evaluation.limit,
+                              num_fewshot=evaluation.num_fewshot, out=str(run_dir / EVAL_FILE)))
+    finally:
+        shutil.rmtree(export_dir, ignore_errors=True)
+
+
 def train_experiment(experiment: Experiment) -> list[Path]:
     """Train every planned run of this worker that is not finished; returns the run directories in plan
     order (none for a shard: the report needs every worker's runs)."""
@@ -69,6 +88,7 @@ def train_experiment(experiment: Experiment) -> list[Path]:
             say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
         if info.world_size == 1:
             ensure_depth_matrix(run.run_dir, say)
+            ensure_evaluation(run.run_dir, experiment.evaluation, say)
     if experiment.shard is not None:
         say(f"shard {experiment.shard[0]}/{experiment.shard[1]} done; once every shard is, run "
             f"`python -m scripts.compare experiment={experiment.name}` without shard= for the report")

@@ -5,7 +5,10 @@ An experiment file holds
     shared: [train.steps=...]  trainer overrides every run gets: same data, tokens and hyperparameters
     runs:                      name + overrides (model size, variant and its options); optional seeds
       - {name: s-block, overrides: [model=s, variant=block]}
-and optionally runs_dir / report_dir (default runs/<name>, reports/<name>). `shard=K/N` (command line
+and optionally runs_dir / report_dir (default runs/<name>, reports/<name>) and
+    eval: {tasks: [attnres_local], limit: 50, num_fewshot: 0}
+which evaluates every finished run on those lm_eval tasks (trainer.evaluate; run_dir/eval.json) for the
+report's downstream table. `shard=K/N` (command line
 only) keeps every N-th planned run starting at K, so N workers (processes on one machine, or jobs on
 a cluster sharing the runs directory) split one experiment without training a run twice. The files are read with
 OmegaConf, not composed by Hydra: they describe many trainer configs, not one.
@@ -31,11 +34,20 @@ class PlannedRun:
 
 
 @dataclass
+class Evaluation:
+    """The experiment's `eval:` block: lm_eval tasks every finished run is evaluated on."""
+    tasks: list[str]
+    limit: float | None = None   # examples per task (a fraction below 1: that share); None: all
+    num_fewshot: int = 0
+
+
+@dataclass
 class Experiment:
     name: str
     report_dir: Path
     runs: list[PlannedRun]
     shard: tuple[int, int] | None = None  # (K, N): this worker trains runs K, K+N, K+2N, ... of the plan
+    evaluation: Evaluation | None = None
 
     def my_runs(self) -> list[PlannedRun]:
         if self.shard is None:
@@ -52,6 +64,17 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not 0 <= k < n:
         raise ConfigError(f"shard={text} must be K/N with 0 <= K < N (worker K of N), e.g. shard=0/2")
     return k, n
+
+
+def parse_evaluation(spec, path: Path) -> Evaluation | None:
+    if spec is None:
+        return None
+    keys = set(spec) - {"tasks", "limit", "num_fewshot"}
+    tasks = spec.get("tasks")
+    if keys or not tasks or not all(isinstance(task, str) and task for task in tasks):
+        raise ConfigError(f"{path}: eval must be {{tasks: [NAME, ...], limit: N, num_fewshot: N}} with at least one "
+                          f"task name; got {OmegaConf.to_container(spec)}")
+    return Evaluation(list(tasks), spec.get("limit"), spec.get("num_fewshot", 0))
 
 
 def experiment_path(name_or_path: str) -> Path:
@@ -89,4 +112,5 @@ def load_experiment(name_or_path: str, overrides: list[str] = ()) -> Experiment:
             *spec.get("shared", []), *run.overrides, *trainer_overrides,
             f"seed={seed}", f"run.dir={run_dir}", "resume=auto"]))
     shard = parse_shard(spec.shard) if spec.get("shard") is not None else None
-    return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned, shard)
+    return Experiment(name, Path(spec.get("report_dir") or f"reports/{name}"), planned, shard,
+                      parse_evaluation(spec.get("eval"), path))

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from scripts.report import curves, depth, sweeps
+from scripts.report.downstream import downstream_section
 from scripts.report.sanity import sanity_section
 from scripts.report.runs import Group, Run, group_runs
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
@@ -142,6 +143,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
              + ("; with a single seed there is no noise estimate, so no difference here can be called real."
                 if seeds < 2 else "."), "", *ordering(rows), "",
              *sanity_section(groups),
+             *downstream_section(groups),
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
              image(curves.loss_vs_compute(groups, out_dir / "loss_vs_compute.png"), "validation loss vs compute"), "",

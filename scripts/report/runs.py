@@ -1,4 +1,5 @@
-"""Read finished (or unfinished) run directories: config.yaml, metrics.jsonl, diagnostics.jsonl.
+"""Read finished (or unfinished) run directories: config.yaml, metrics.jsonl, diagnostics.jsonl, and
+eval.json when the comparison tool evaluated the run (trainer.evaluate's results).
 
 Runs are grouped by (setting, residual variant) read from their resolved config, so the report
 works the same on runs the comparison tool trained and on run directories copied from a cluster. The
@@ -25,6 +26,7 @@ from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
 from trainer.config import CONFIG_DIR, Config
 
+EVAL_FILE = "eval.json"
 VARIANT_ORDER = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
@@ -240,6 +242,21 @@ class Run:
     @property
     def final_diagnostics(self) -> dict | None:
         return self.diagnostics[-1] if self.diagnostics else None
+
+    @cached_property
+    def evaluation(self) -> dict[str, dict[str, tuple[float, float | None]]]:
+        """eval.json's task metrics, {task: {metric: (value, stderr)}}; empty when the run was not evaluated."""
+        path = self.path / EVAL_FILE
+        if not path.is_file():
+            return {}
+        try:
+            tasks = json.loads(path.read_text())["tasks"]
+            return {task: {metric: (float(measured["value"]), measured["stderr"])
+                           for metric, measured in entry["metrics"].items() if measured["value"] is not None}
+                    for task, entry in tasks.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{path} is not trainer.evaluate's results ({error!r}); delete it to evaluate again") \
+                from None
 
     @cached_property
     def depth_matrix(self) -> dict | None:

@@ -4,6 +4,7 @@ import json
 import pytest
 
 import scripts.compare as compare
+from scripts.experiments import load_experiment
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
 from trainer.checkpoint import latest_checkpoint
@@ -77,3 +78,45 @@ def test_bad_shard_is_one_clear_line(shard, capsys):
     with pytest.raises(SystemExit):
         compare.main(["experiment=quick", f"shard={shard}"])
     assert f"shard={shard} must be K/N with 0 <= K < N (worker K of N), e.g. shard=0/2" in capsys.readouterr().err
+
+
+def test_eval_tasks_give_the_report_a_downstream_table(tmp_path, tiny_dataset):
+    shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=2) if not o.startswith("run.dir=")]
+    experiment = tmp_path / "tiny.yaml"
+    experiment.write_text(json.dumps({
+        "seeds": [0], "shared": shared, "eval": {"tasks": ["attnres_mc_words"], "limit": 6},
+        "runs": [{"name": "xs-baseline", "overrides": ["variant=baseline"]},
+                 {"name": "xs-block", "overrides": ["variant=block", "variant.block_size=2"]}]}))
+    compare.main([f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"])
+    accuracy = {}
+    for name in ("xs-baseline-s0", "xs-block-s0"):
+        run_dir = tmp_path / "runs" / name
+        results = json.loads((run_dir / "eval.json").read_text())
+        accuracy[name] = results["tasks"]["attnres_mc_words"]["metrics"]["acc"]["value"]
+        assert results["settings"]["limit"] == 6
+        assert not (run_dir / "eval-export").exists()
+    report = (tmp_path / "report" / "report.md").read_text()
+    section = report[report.index("## Downstream tasks"):]
+    baseline_row = next(line for line in section.splitlines() if "| acc |" in line and "| baseline |" in line)
+    block_row = next(line for line in section.splitlines() if "| acc |" in line and "| block S=2 |" in line)
+    assert f"| {accuracy['xs-baseline-s0']:.4f} ± " in baseline_row and baseline_row.endswith("| - |")
+    assert f"{accuracy['xs-block-s0'] - accuracy['xs-baseline-s0']:+.4f} (paired, 1 seed)" in block_row
+
+
+def test_a_bad_eval_block_is_one_clear_line(tmp_path, capsys):
+    experiment = tmp_path / "bad.yaml"
+    experiment.write_text(json.dumps({"seeds": [0], "eval": {"task": ["x"]},
+                                      "runs": [{"name": "a", "overrides": []}]}))
+    with pytest.raises(SystemExit):
+        compare.main([f"experiment={experiment}"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "eval must be {tasks: [NAME, ...], limit: N, num_fewshot: N}" in err
+
+
+def test_the_quick_experiment_evaluates_on_the_local_tasks():
+    from trainer.evaluate import LOCAL_TASKS, task_manager_for
+
+    evaluation = load_experiment("quick").evaluation
+    assert evaluation.tasks == ["attnres_local"]
+    manager = task_manager_for(evaluation.tasks, LOCAL_TASKS)
+    assert {"attnres_mc_words", "attnres_gen_words"} <= set(manager.all_tasks)

@@ -310,3 +310,14 @@ def test_every_residual_variant_has_a_place_in_the_report():
     from scripts.report.runs import VARIANT_ORDER
 
     assert set(VARIANTS) <= set(VARIANT_ORDER) and set(VARIANTS) <= set(MAGNITUDE_VARIANTS)
+
+
+def test_downstream_values_are_stderr_for_one_seed_and_seed_spread_for_several():
+    from scripts.report.downstream import diff_text, value_text
+
+    assert value_text({0: (0.65, 0.1094)}) == "0.6500 ± 0.1094 (stderr)"
+    assert value_text({0: (0.6, None), 1: (0.7, None), 2: (0.8, None)}) == "0.7000 ± 0.1000 (3 seeds)"
+    # paired over the seeds both have: seed 2 has no baseline here
+    assert diff_text({0: (0.6, None), 1: (0.9, None), 2: (0.5, None)}, {0: (0.5, None), 1: (0.6, None)}) == (
+        "+0.2000 ± 0.1414 (paired, 2 seeds)")
+    assert diff_text({2: (0.5, None)}, {0: (0.5, None)}) == "-"

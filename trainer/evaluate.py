@@ -1,0 +1,273 @@
+"""Evaluate an exported model: `python -m trainer.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json`
+
+Tasks run in lm-evaluation-harness (lm_eval) through trainer/lm_eval_model.py; perplexity is measured here over
+prepared datasets. Only the export is loaded (model.safetensors + config.json, as trainer.generate loads it).
+Every input is checked before the model is loaded: a missing export or dataset, a dataset of another
+tokenizer, or an unknown task name is one `error:` line and exit code 2.
+
+Options (key=value, default after the =; give tasks=, perplexity= or both):
+  model=            (required) an export directory written by python -m trainer.export
+  tasks=            lm_eval tasks or groups, comma-separated. The local ones live in include_path and need no
+                    network: attnres_local (both of) attnres_mc_words (multiple choice) and attnres_gen_words
+                    (generation). lm_eval's own (hellaswag, arc_easy, mmlu, ...: `lm-eval ls tasks`) download
+                    their data on first use, so they need a connected machine
+  perplexity=       prepared dataset directories (the data layer's: manifest.json, val.bin, tokenizer.json),
+                    comma-separated, tokenised with the export's tokenizer: loss (nats/token), perplexity and
+                    bits per byte over each val split, in windows of the trained context (train.seq_len)
+  out=              write the results JSON here (a temporary file renamed into place); without it only the
+                    table is printed
+  limit=            at most this many examples per task (a fraction below 1: that share of each); empty: all
+  batch_size=8      sequences per forward
+  num_fewshot=0     few-shot examples before each prompt
+  include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here)
+  device=auto       auto (cuda when available), cpu, cuda or cuda:N
+  tokenizer=        tokenizer.json to use instead of the one in the export directory
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import lm_eval
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model.documents import document_starts
+from trainer.config import Config
+from trainer.data.format import (MANIFEST_NAME, TOKENIZER_NAME, DataError, DatasetCorruptError, scan_tokens,
+                                 sha256_file, split_path, verify_dataset)
+from trainer.data.streams import TokenDataset, val_batches
+from trainer.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
+from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
+from trainer.lm_eval_model import AttnResLM, pick_device
+from trainer.safe_io import write_file
+
+LOCAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "eval" / "tasks"
+PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
+
+
+@dataclass
+class EvaluateArgs:
+    model: str | None = None
+    tasks: str | None = None
+    perplexity: str | None = None
+    out: str | None = None
+    limit: float | None = None
+    batch_size: int = 8
+    num_fewshot: int = 0
+    include_path: str | None = None
+    device: str = "auto"
+    tokenizer: str | None = None
+
+
+class EvaluateError(ValueError):
+    """Bad input to evaluation; the message is one line."""
+
+
+def names_of(key: str, value: str | None) -> list[str]:
+    """A comma-separated option -> its entries; an empty entry (tasks=a,,b) is refused."""
+    if not value:
+        return []
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise EvaluateError(f"{key}={value} has an empty entry; give names separated by single commas")
+    return names
+
+
+def check_limit(limit: float | None) -> int | float | None:
+    """lm_eval's limit: a count of examples (a whole number >= 1) or a share of them (in (0, 1))."""
+    if limit is None or 0 < limit < 1:
+        return limit
+    if limit < 1 or limit != int(limit):
+        raise EvaluateError(f"limit={limit} must be a whole number >= 1 (examples per task) or a fraction in (0, 1)")
+    return int(limit)
+
+
+def check_out(out: str | None) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out)
+    if path.is_dir():
+        raise EvaluateError(f"out={out} is a directory; give the JSON file to write, e.g. out={path / 'eval.json'}")
+    if not path.parent.is_dir():
+        raise EvaluateError(f"out={out}: directory {path.parent} does not exist; create it or pick another out")
+    return path
+
+
+def check_options(args: EvaluateArgs) -> None:
+    """Every option that needs no file."""
+    if not args.model:
+        raise EvaluateError("model= is required: an export directory written by python -m trainer.export")
+    if not args.tasks and not args.perplexity:
+        raise EvaluateError("nothing to evaluate: give tasks=NAME[,NAME] (e.g. tasks=attnres_local), "
+                            "perplexity=DATASET[,DATASET], or both")
+    if args.batch_size < 1:
+        raise EvaluateError(f"batch_size={args.batch_size} must be a positive integer")
+    if args.num_fewshot < 0:
+        raise EvaluateError(f"num_fewshot={args.num_fewshot} must be >= 0")
+
+
+def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> Path:
+    """A prepared dataset whose val split the export can score: its tokenizer, one window of the trained
+    context at least, and a val.bin that matches its manifest with every id inside the model's vocab."""
+    path = Path(given)
+    hint = PREPARE_HINT.format(tokenizer=tokenizer_file)
+    if not path.exists():
+        raise EvaluateError(f"perplexity={given} does not exist; give a prepared dataset directory ({hint})")
+    if not (path / MANIFEST_NAME).is_file():
+        raise EvaluateError(f"perplexity={given} is not a prepared dataset (no {MANIFEST_NAME}); {hint}")
+    manifest = verify_dataset(path, check_checksums=False)
+    if manifest["sha256"][TOKENIZER_NAME] != sha256_file(tokenizer_file):
+        raise EvaluateError(f"perplexity={given} was tokenised with another tokenizer than {tokenizer_file}; "
+                            f"its ids would mean other text to this model: {hint}")
+    window = cfg.train.seq_len + 1
+    if manifest["tokens"]["val"] < window:
+        raise EvaluateError(f"perplexity={given}: its val split has {manifest['tokens']['val']} tokens, fewer than "
+                            f"one window of the trained context (train.seq_len + 1 = {window}); prepare more text")
+    val = split_path(path, "val")
+    checksum, outside = scan_tokens(val, np.dtype(manifest["dtype"]), cfg.model.vocab_size)
+    if checksum != manifest["sha256"][val.name]:
+        raise DatasetCorruptError(f"{val}: sha256 does not match {MANIFEST_NAME}; delete {path} to rebuild it")
+    if outside is not None:
+        raise DatasetCorruptError(f"{val}: token {outside[0]} is id {outside[1]}, outside the model's vocab of "
+                                  f"{cfg.model.vocab_size}")
+    return path
+
+
+def check_include_path(include_path: str | None) -> Path:
+    path = Path(include_path) if include_path else LOCAL_TASKS
+    if not path.is_dir():
+        raise EvaluateError(f"include_path={include_path} is not a directory; give a directory of lm_eval task YAMLs "
+                            f"(default {LOCAL_TASKS})")
+    return path
+
+
+def task_manager_for(names: list[str], include_path: Path):
+    """The lm_eval TaskManager that knows every name. Indexing lm_eval's own catalogue (some 15,000 YAMLs)
+    takes about ten seconds, so it is read only when a name is not among the local tasks."""
+    # Imported here: lm_eval's task machinery (datasets, ...) takes seconds to import, which --help, a
+    # perplexity-only run and a bad-input error need not wait for (lm_eval.simple_evaluate loads it on use too).
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=str(include_path), include_defaults=False)
+    if all(name in local.all_tasks for name in names):
+        return local
+    manager = TaskManager(include_path=str(include_path))
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise EvaluateError(f"tasks: unknown {', '.join(unknown)}; the local tasks in {include_path} are "
+                            f"{', '.join(local.all_tasks)}, and `lm-eval ls tasks` lists lm_eval's own")
+    return manager
+
+
+@torch.no_grad()
+def dataset_perplexity(lm: AttnResLM, dataset_dir: Path, cfg: Config, batch_size: int) -> dict:
+    """Mean loss over the val split's windows of train.seq_len predictions (the trainer's val windows, all
+    of them), its exp, and bits per byte: the summed loss in bits over the UTF-8 bytes of the predicted
+    tokens' text (the end-of-text token has none)."""
+    val = TokenDataset(dataset_dir, "val")
+    nll, tokens, text_bytes = 0.0, 0, 0
+    for inputs, targets in val_batches(val, cfg.train.seq_len, batch_size):
+        inputs, targets = inputs.to(lm.device), targets.to(lm.device)
+        # A model trained with document masking saw no earlier document of its window; score it the same way.
+        starts = document_starts(inputs, val.eot_id) if cfg.data.document_masking else None
+        logits = lm.model(inputs, document_starts=starts)  # (B, T, vocab)
+        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+        tokens += targets.numel()
+        # The windows of a batch are consecutive in the stream, so the rows decode as one text.
+        text_bytes += len(lm.tok_decode(targets.flatten().tolist()).encode("utf-8"))
+    loss = nll / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": nll / (math.log(2) * text_bytes),
+            "tokens": tokens, "bytes": text_bytes}
+
+
+def number_or_none(value) -> float | None:
+    """lm_eval writes "N/A" for a stderr it could not compute."""
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def task_metrics(results: dict) -> dict:
+    """lm_eval's {"acc,none": value, "acc_stderr,none": stderr, ...} per task or group -> {"acc": {"value",
+    "stderr"}}; a metric under a filter other than lm_eval's "none" keeps the filter: "exact_match,strict"."""
+    tables = {}
+    for task, entries in results["results"].items():
+        metrics = {}
+        for key, value in entries.items():
+            metric, _, filter_name = key.partition(",")
+            if not filter_name or metric.endswith("_stderr"):
+                continue
+            name = metric if filter_name == "none" else key
+            metrics[name] = {"value": number_or_none(value),
+                             "stderr": number_or_none(entries.get(f"{metric}_stderr,{filter_name}"))}
+        if metrics:  # a group that aggregates nothing has no row of its own: its tasks have theirs
+            tables[task] = {"metrics": metrics, "samples": results.get("n-samples", {}).get(task, {}).get("effective")}
+    return tables
+
+
+def run_tasks(lm: AttnResLM, names: list[str], manager, args: EvaluateArgs, limit) -> dict:
+    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
+                                      limit=limit, log_samples=False)
+    return task_metrics(results)
+
+
+def table(report: dict) -> str:
+    """The results on one screen: a row per task metric, then one per dataset."""
+    lines = [f"export {report['export']} (step {report['step']})"]
+    if report["tasks"]:
+        lines.append(f"{'task':<28} {'metric':<16} {'value':>8} {'stderr':>8} {'n':>6}")
+        for task, entry in report["tasks"].items():
+            for metric, measured in entry["metrics"].items():
+                stderr = "" if measured["stderr"] is None else f"{measured['stderr']:.4f}"
+                lines.append(f"{task:<28} {metric:<16} {measured['value']:>8.4f} {stderr:>8} "
+                             f"{entry['samples'] or '':>6}")
+    if report["perplexity"]:
+        lines.append(f"{'dataset (val split)':<40} {'loss':>8} {'ppl':>10} {'bits/byte':>9} {'tokens':>10}")
+        for dataset, measured in report["perplexity"].items():
+            lines.append(f"{dataset:<40} {measured['loss']:>8.4f} {measured['perplexity']:>10.2f} "
+                         f"{measured['bits_per_byte']:>9.4f} {measured['tokens']:>10,}")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, report: dict) -> None:
+    try:
+        write_file(out, json.dumps(report, indent=2) + "\n")
+    except OSError as error:
+        raise EvaluateError(f"out={out} cannot be written ({error.strerror})") from None
+
+
+def run(args: EvaluateArgs) -> str:
+    check_options(args)
+    limit, out, device = check_limit(args.limit), check_out(args.out), pick_device(args.device)
+    task_names, dataset_names = names_of("tasks", args.tasks), names_of("perplexity", args.perplexity)
+    export_dir = find_export("model", args.model)
+    cfg = export_config(export_dir, None)
+    tokenizer = load_tokenizer(args.tokenizer, export_dir)
+    tokenizer_file = Path(args.tokenizer) if args.tokenizer else export_dir / TOKENIZER_FILE
+    datasets = {name: check_dataset(name, tokenizer_file, cfg) for name in dataset_names}
+    manager = task_manager_for(task_names, check_include_path(args.include_path)) if task_names else None
+
+    lm = AttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
+                   device=device)
+    report = {"export": str(export_dir.resolve()), "step": read_export_config(export_dir).get("step"),
+              "tasks": run_tasks(lm, task_names, manager, args, limit) if task_names else {},
+              "perplexity": {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()},
+              "settings": {"limit": limit, "num_fewshot": args.num_fewshot, "batch_size": args.batch_size,
+                           "max_length": lm.max_length}}
+    if out is not None:
+        write_report(out, report)
+    return table(report) + (f"\nwrote {out}" if out is not None else "")
+
+
+def parse(argv: list[str]) -> EvaluateArgs:
+    return parse_key_values(argv, EvaluateArgs, EvaluateError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(argv, __doc__, lambda args: run(parse(args)), (EvaluateError, GenerateError, ExportError, DataError))
+
+
+if __name__ == "__main__":
+    main()
