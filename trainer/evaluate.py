@@ -1,16 +1,18 @@
-"""Evaluate an exported model: `python -m trainer.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json`
+"""Evaluate an exported model on lm-evaluation-harness tasks and on the perplexity of prepared datasets:
 
-Tasks run in lm-evaluation-harness (lm_eval) through trainer/lm_eval_model.py; perplexity is measured here over
-prepared datasets. Only the export is loaded (model.safetensors + config.json, as trainer.generate loads it).
-Every input is checked before the model is loaded: a missing export or dataset, a dataset of another
-tokenizer, or an unknown task name is one `error:` line and exit code 2.
+    python -m trainer.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json
+
+Tasks run in lm-evaluation-harness (lm_eval) through trainer/lm_eval_model.py; perplexity is measured here.
+Only the export is loaded (model.safetensors + config.json, as trainer.generate loads it). Every input is
+checked before the model is loaded: a missing export or dataset, a dataset of another tokenizer, or an
+unknown task name is one `error:` line and exit code 2.
 
 Options (key=value, default after the =; give tasks=, perplexity= or both):
   model=            (required) an export directory written by python -m trainer.export
   tasks=            lm_eval tasks or groups, comma-separated. The local ones live in include_path and need no
-                    network: attnres_local (both of) attnres_mc_words (multiple choice) and attnres_gen_words
-                    (generation). lm_eval's own (hellaswag, arc_easy, mmlu, ...: `lm-eval ls tasks`) download
-                    their data on first use, so they need a connected machine
+                    network: attnres_local, the group of attnres_mc_words (multiple choice) and
+                    attnres_gen_words (generation). lm_eval's own (hellaswag, arc_easy, mmlu, ...; listed by
+                    `lm-eval ls tasks`) download their data on first use, so they need a connected machine
   perplexity=       prepared dataset directories (the data layer's: manifest.json, val.bin, tokenizer.json),
                     comma-separated, tokenised with the export's tokenizer: loss (nats/token), perplexity and
                     bits per byte over each val split, in windows of the trained context (train.seq_len)
@@ -25,6 +27,7 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -156,11 +159,17 @@ def task_manager_for(names: list[str], include_path: Path):
     if all(name in local.all_tasks for name in names):
         return local
     manager = TaskManager(include_path=str(include_path))
-    unknown = [name for name in names if name not in manager.all_tasks]
+    unknown = [unknown_name(name, manager.all_tasks) for name in names if name not in manager.all_tasks]
     if unknown:
         raise EvaluateError(f"tasks: unknown {', '.join(unknown)}; the local tasks in {include_path} are "
                             f"{', '.join(local.all_tasks)}, and `lm-eval ls tasks` lists lm_eval's own")
     return manager
+
+
+def unknown_name(name: str, known: list[str]) -> str:
+    """`name`, with the known name it is most likely a typo of."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
 
 
 @torch.no_grad()
@@ -251,9 +260,10 @@ def run(args: EvaluateArgs) -> str:
 
     lm = AttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
                    device=device)
+    tasks = run_tasks(lm, task_names, manager, args, limit) if task_names else {}
+    perplexity = {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()}
     report = {"export": str(export_dir.resolve()), "step": read_export_config(export_dir).get("step"),
-              "tasks": run_tasks(lm, task_names, manager, args, limit) if task_names else {},
-              "perplexity": {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()},
+              "tasks": tasks, "perplexity": perplexity,
               "settings": {"limit": limit, "num_fewshot": args.num_fewshot, "batch_size": args.batch_size,
                            "max_length": lm.max_length}}
     if out is not None:

@@ -1,9 +1,10 @@
 """An exported model inside lm-evaluation-harness: `AttnResLM`, registered as lm_eval model "attnres".
 
-Built from an export directory (`AttnResLM.from_export(EXPORT_DIR)`, or lm_eval's
-`model_args="pretrained=EXPORT_DIR,batch_size=8"`), which is loaded as trainer.generate loads it (safetensors
-and JSON only, checked against its fingerprint and trained context), or from a model already in memory
-(`AttnResLM(model, tokenizer, seq_len)`).
+Built from an export directory (`AttnResLM.from_export(EXPORT_DIR)`, or, once this module is imported,
+lm_eval's `simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`), which is loaded
+as trainer.generate loads it (safetensors and JSON only, checked against its fingerprint and trained
+context), or from a model already in memory (`AttnResLM(model, tokenizer, seq_len)`).
+`python -m trainer.evaluate` is the command line over it.
 
 Scoring is exact under batching: the model is causal, and nothing in it (depth attention, MoE routing, norms,
 MLA without positional encoding, KDA) mixes a token with a later one, so right-padding a batch leaves every
@@ -13,13 +14,13 @@ train.seq_len by default) keep their last tokens; each call says once how many r
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import lm_eval.models  # noqa: F401  lm_eval registers its own models lazily, and only while its registry is empty
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+# Importing lm_eval.models (for its utils) registers lm_eval's own models, which it does by itself only while its
+# registry is empty: after register_model("attnres") below, "hf" and the rest would be unknown otherwise.
 from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
@@ -58,6 +59,13 @@ def positive_int(name: str, value) -> int:
     return number
 
 
+def longest_first(request) -> tuple:
+    """Sort key of a (key, context, continuation) request: the longest first, so the first batch is the
+    widest and an out-of-memory error comes at once; equal lengths by their tokens, for a fixed order."""
+    tokens = request[1] + request[2]
+    return -len(tokens), tuple(tokens)
+
+
 def warn_truncated(count: int, total: int, kind: str, context: int) -> None:
     if count:
         print(f"warning: {count} of {total} {kind} requests were longer than the context of {context} tokens; "
@@ -68,8 +76,8 @@ def warn_truncated(count: int, total: int, kind: str, context: int) -> None:
 class AttnResLM(TemplateLM):
     def __init__(self, model: torch.nn.Module, tokenizer, seq_len: int, batch_size: int = 8,
                  max_length: int | None = None, device: str | None = None):
-        """`model` (a Decoder, eval mode), `tokenizer` (a tokenizers.Tokenizer), `seq_len` the context it was
-        trained at; max_length (<= seq_len) bounds every input. device None keeps the model where it is."""
+        """`model` a Decoder (put in eval mode), `tokenizer` a tokenizers.Tokenizer, `seq_len` the context the
+        model was trained at; max_length (<= seq_len) bounds every input. device None keeps the model where it is."""
         super().__init__()
         self._batch_size = positive_int("batch_size", batch_size)
         self._max_length = seq_len if max_length is None else positive_int("max_length", max_length)
@@ -134,7 +142,7 @@ class AttnResLM(TemplateLM):
             if not 0 < len(continuation) <= self.max_length:
                 raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored within the "
                                  f"context of {self.max_length} tokens (it must be 1 to {self.max_length})")
-        order = Collator(requests, sort_fn=lambda request: (-len(request[1] + request[2]), tuple(request[1] + request[2])))
+        order = Collator(requests, sort_fn=longest_first)
         results, truncated = [], 0
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="Running loglikelihood requests")
         for batch in order.get_batched(n=self.batch_size):

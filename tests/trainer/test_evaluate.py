@@ -1,0 +1,240 @@
+"""`python -m trainer.evaluate` and its lm_eval adapter (trainer/lm_eval_model.py): batched scoring equals
+scoring one request at a time, rolling windows cover a long text exactly, generation is generate's greedy
+text cut at a stop string, the CLI writes local-task and perplexity results; bad input gets one line."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+import trainer.evaluate
+from conftest import fast_train_overrides
+from model.generation import generate
+from parallel.dims import init_distributed
+from trainer.config import load_config
+from trainer.data.format import read_manifest, split_path
+from trainer.evaluate import main
+from trainer.export import export
+from trainer.generate import GenerateError
+from trainer.lm_eval_model import AttnResLM
+from trainer.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 32  # fast_train_overrides' train.seq_len: the export's trained context
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, tiny_dataset):
+    run = tmp_path_factory.mktemp("eval") / "run"
+    Trainer(load_config(fast_train_overrides(run, tiny_dataset, steps=2)), init_distributed()).fit()
+    out = run.parent / "export"
+    export(str(run), str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lm(export_dir):
+    return AttnResLM.from_export(str(export_dir), batch_size=3)
+
+
+@torch.no_grad()
+def plain_scores(model, sequence: list[int], continuation_length: int) -> tuple[float, bool]:
+    """log P of the last continuation_length tokens of `sequence` and whether each is the argmax, from one
+    unpadded forward over the sequence's last SEQ_LEN + 1 tokens."""
+    sequence = sequence[-(SEQ_LEN + 1):]
+    logits = model(torch.tensor([sequence[:-1]]))[0]  # (T, vocab)
+    log_probs = torch.log_softmax(logits[-continuation_length:].float(), dim=-1)  # (C, vocab)
+    targets = torch.tensor(sequence[-continuation_length:])  # (C,)
+    return (log_probs.gather(-1, targets[:, None]).sum().item(), bool((log_probs.argmax(-1) == targets).all()))
+
+
+def greedy_next(model, tokens: list[int]) -> int:
+    with torch.no_grad():
+        return int(model(torch.tensor([tokens]))[0, -1].argmax())
+
+
+def test_batched_loglikelihood_equals_one_request_at_a_time(lm, capsys):
+    encode = lm.tok_encode
+    context = encode("The king and the queen")
+    requests = [
+        (None, encode("Thou"), encode(" hath a sword")),
+        (None, context, [greedy_next(lm.model, context)]),  # a continuation greedy decoding produces
+        (None, encode("The ghost of the night doth speak to thee"), encode(" of love and death.")),
+        (None, [lm.eot_token_id], encode("fair")),
+        (None, encode("the lord " * 20), encode(" crown")),  # longer than the context: cut from the left
+    ]
+    assert len(requests[-1][1]) + len(requests[-1][2]) > SEQ_LEN + 1
+    scores = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (_, context_tokens, continuation), (log_prob, is_greedy) in zip(requests, scores):
+        expected, expected_greedy = plain_scores(lm.model, context_tokens + continuation, len(continuation))
+        assert log_prob == pytest.approx(expected, abs=1e-5)
+        assert is_greedy == expected_greedy
+    assert scores[1][1], "the argmax continuation must count as greedy"
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: 1 of 5 loglikelihood requests were longer than the context of {SEQ_LEN} tokens; "
+                        "their first tokens were cut"]
+
+
+@torch.no_grad()
+def rolling_reference(model, tokens: list[int], eot: int) -> float:
+    """log P(tokens | end-of-text): each chunk of SEQ_LEN predictions conditioned on the SEQ_LEN tokens
+    before its last one, written out independently of lm_eval's window helpers."""
+    stream = [eot] + tokens
+    total = 0.0
+    for first in range(1, len(stream), SEQ_LEN):  # stream positions first..end-1 are predicted
+        end = min(first + SEQ_LEN, len(stream))
+        log_prob, _ = plain_scores(model, stream[max(0, end - 1 - SEQ_LEN):end], end - first)
+        total += log_prob
+    return total
+
+
+def test_rolling_loglikelihood_covers_a_long_text_in_windows(lm):
+    long_text = "the king hath a crown and thou speak of love. " * 8
+    short_text = "the queen speak of death."
+    tokens = lm.tok_encode(long_text)
+    assert len(tokens) > 2 * SEQ_LEN
+    assert len(lm.tok_encode(short_text)) < SEQ_LEN
+    results = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (long_text,), 0),
+                                        Instance("loglikelihood_rolling", {}, (short_text,), 1)], disable_tqdm=True)
+    assert results[0] == pytest.approx(rolling_reference(lm.model, tokens, lm.eot_token_id), rel=1e-6)
+    short = [lm.eot_token_id] + lm.tok_encode(short_text)
+    assert results[1] == pytest.approx(plain_scores(lm.model, short, len(short) - 1)[0], abs=1e-5)
+
+
+def test_generate_until_is_greedy_generate_cut_at_the_stop_string(lm):
+    prompt = "king queen king queen king"
+    ids = lm.tok_encode(prompt)
+    tokens = generate(lm.model, torch.tensor([ids]), 8, stop_token=lm.eot_token_id)
+    full = lm.tok_decode(tokens[0, len(ids):].tolist())
+    assert len(full) >= 2, "the model must generate text to cut"
+    stop = full[len(full) // 2]
+    expected = full.split(stop)[0]
+    generated = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 8}), 0)],
+                                  disable_tqdm=True)
+    assert generated == [expected] and len(expected) < len(full)
+
+
+def test_generation_kwargs_it_cannot_honour_are_refused(lm):
+    request = Instance("generate_until", {}, ("the king", {"until": ["."], "top_k": 5}), 0)
+    with pytest.raises(ValueError, match="top_k are not supported"):
+        lm.generate_until([request], disable_tqdm=True)
+
+
+def test_max_length_beyond_the_trained_context_is_refused(lm):
+    with pytest.raises(GenerateError, match=f"max_length=64 is beyond the trained context of {SEQ_LEN}"):
+        AttnResLM(lm.model, lm.tokenizer, SEQ_LEN, max_length=64)
+
+
+def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(model="attnres", model_args=f"pretrained={export_dir},batch_size=2",
+                                      tasks=["attnres_mc_words"], limit=2, log_samples=False,
+                                      task_manager=TaskManager(include_path=str(trainer.evaluate.LOCAL_TASKS),
+                                                               include_defaults=False))
+    assert 0 <= results["results"]["attnres_mc_words"]["acc,none"] <= 1
+
+
+def test_registering_attnres_leaves_lm_evals_own_models():
+    # lm_eval registers its own models only when its registry is empty at the first lookup: in a fresh process
+    # (this one has imported them already), importing the adapter first must not hide them.
+    check = "import trainer.lm_eval_model; from lm_eval.api.registry import model_registry; assert 'hf' in model_registry"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@torch.no_grad()
+def val_loss_reference(model, dataset: Path) -> float:
+    """Mean loss over every consecutive window of SEQ_LEN predictions of the val split, read from val.bin."""
+    stream = np.fromfile(split_path(dataset, "val"), dtype=read_manifest(dataset)["dtype"]).astype(np.int64)
+    windows = torch.from_numpy(stream[:(len(stream) - 1) // SEQ_LEN * SEQ_LEN + 1])
+    inputs = windows[:-1].view(-1, SEQ_LEN)  # (W, T)
+    targets = windows[1:].view(-1, SEQ_LEN)  # (W, T)
+    logits = model(inputs)  # (W, T, vocab)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_evaluate_writes_local_tasks_and_perplexity(export_dir, tiny_dataset, lm, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    main([f"model={export_dir}", "tasks=attnres_local", f"perplexity={tiny_dataset}", f"out={out}", "limit=4",
+          "batch_size=4"])
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert set(report) == {"export", "step", "tasks", "perplexity", "settings"}
+    assert report["export"] == str(export_dir.resolve()) and report["step"] == 2
+    assert set(report["tasks"]) == {"attnres_mc_words", "attnres_gen_words"}
+    choice, generation = report["tasks"]["attnres_mc_words"], report["tasks"]["attnres_gen_words"]
+    assert choice["samples"] == 4 and generation["samples"] == 4
+    assert 0 <= choice["metrics"]["acc"]["value"] <= 1 and choice["metrics"]["acc"]["stderr"] is not None
+    assert 0 <= generation["metrics"]["exact_match"]["value"] <= 1
+    measured = report["perplexity"][str(tiny_dataset)]
+    assert measured["perplexity"] == pytest.approx(math.exp(measured["loss"]))
+    assert measured["loss"] == pytest.approx(val_loss_reference(lm.model, tiny_dataset), rel=1e-5)
+    assert measured["bits_per_byte"] > 0 and measured["bytes"] > 0
+    assert measured["tokens"] == (read_manifest(tiny_dataset)["tokens"]["val"] - 1) // SEQ_LEN * SEQ_LEN
+    assert "attnres_mc_words" in printed and f"wrote {out}" in printed
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Bad input must be refused before the model is loaded."""
+    def refuse(*args):
+        raise AssertionError("the model was loaded before the input was checked")
+    monkeypatch.setattr(trainer.evaluate, "load_exported_model", refuse)
+
+
+def one_line_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_an_unknown_task_is_one_line(export_dir, capsys, no_model_load):
+    err = one_line_error(capsys, [f"model={export_dir}", "tasks=attnres_mc_words,hellaswg,no_such_task_at_all"])
+    assert "unknown hellaswg (did you mean hellaswag?), no_such_task_at_all;" in err and "attnres_local" in err
+
+
+@pytest.fixture
+def other_tokenizer(export_dir, tmp_path):
+    """The export's tokenizer written out again: the same tokens in other bytes, so its hash differs."""
+    copy = tmp_path / "tokenizer.json"
+    copy.write_text(json.dumps(json.loads((export_dir / "tokenizer.json").read_text())))
+    return copy
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["model={missing}", "tasks=attnres_local"], "model={missing} does not exist"),
+    (["model={export}"], "nothing to evaluate"),
+    (["model={export}", "perplexity={missing}"], "perplexity={missing} does not exist"),
+    (["model={export}", "perplexity={export}"], "is not a prepared dataset"),
+    (["model={export}", "perplexity={dataset}", "tokenizer={tokenizer}"], "was tokenised with another tokenizer"),
+    (["model={export}", "tasks=attnres_local,,attnres_mc_words"], "has an empty entry"),
+    (["model={export}", "tasks=attnres_local", "limit=0"], "limit=0.0 must be"),
+    (["model={export}", "tasks=attnres_local", "limit=2.5"], "limit=2.5 must be"),
+    (["model={export}", "tasks=attnres_local", "device=gpu"], "device=gpu is not a torch device"),
+    (["model={export}", "tasks=attnres_local", "include_path={missing}"], "is not a directory"),
+    (["model={export}", "tasks=attnres_local", "out={export}"], "is a directory"),
+    (["model={export}", "tasks=attnres_local", "bogus=1"], "unknown key 'bogus'"),
+])
+def test_bad_input_is_one_line(export_dir, tiny_dataset, other_tokenizer, tmp_path, capsys, no_model_load, argv,
+                               message):
+    names = {"export": export_dir, "missing": tmp_path / "missing", "dataset": tiny_dataset,
+             "tokenizer": other_tokenizer}
+    err = one_line_error(capsys, [arg.format(**names) for arg in argv])
+    assert message.format(**names) in err
+
+
+def test_help_prints_the_usage(capsys):
+    main(["--help"])
+    assert "python -m trainer.evaluate model=EXPORT_DIR" in capsys.readouterr().out
