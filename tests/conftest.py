@@ -47,6 +47,16 @@ def fast_train_overrides(run_dir, dataset, steps=6, **extra):
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
+def cli_error(capsys, main, argv) -> str:
+    """The one `error: ...` line (exit code 2) that one of our key=value CLIs prints for `argv`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
 def torchrun(overrides, nproc=2, max_restarts=0, timeout=240):
     """Launch trainer.main under torchrun on gloo; returns the CompletedProcess."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -14,7 +14,7 @@ import torch
 from lm_eval.api.instance import Instance
 
 import trainer.evaluate
-from conftest import fast_train_overrides
+from conftest import cli_error, fast_train_overrides
 from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.config import load_config
@@ -191,17 +191,8 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(trainer.evaluate, "load_exported_model", refuse)
 
 
-def one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err
-    return err
-
-
 def test_an_unknown_task_is_one_line(export_dir, capsys, no_model_load):
-    err = one_line_error(capsys, [f"model={export_dir}", "tasks=attnres_mc_words,hellaswg,no_such_task_at_all"])
+    err = cli_error(capsys, main, [f"model={export_dir}", "tasks=attnres_mc_words,hellaswg,no_such_task_at_all"])
     assert "unknown hellaswg (did you mean hellaswag?), no_such_task_at_all;" in err and "attnres_local" in err
 
 
@@ -231,7 +222,7 @@ def test_bad_input_is_one_line(export_dir, tiny_dataset, other_tokenizer, tmp_pa
                                message):
     names = {"export": export_dir, "missing": tmp_path / "missing", "dataset": tiny_dataset,
              "tokenizer": other_tokenizer}
-    err = one_line_error(capsys, [arg.format(**names) for arg in argv])
+    err = cli_error(capsys, main, [arg.format(**names) for arg in argv])
     assert message.format(**names) in err
 
 

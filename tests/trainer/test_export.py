@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conftest import fast_train_overrides
+from conftest import cli_error, fast_train_overrides
 from model import build_model
 from parallel.dims import init_distributed
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, read_meta
@@ -34,15 +34,6 @@ def run_cli(*args):
     """trainer.export in its own process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-
-
-def one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err
-    return err
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -83,7 +74,7 @@ def test_an_existing_export_is_replaced_only_with_overwrite(run_dir, tmp_path, c
     export(str(run_dir), str(out))
     before = snapshot(out)
 
-    assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={out}"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={run_dir}", f"out={out}"]) == (
         f"error: out={out} already holds an export; pass overwrite=true to replace it")
     assert snapshot(out) == before
 
@@ -95,7 +86,7 @@ def test_an_existing_export_is_replaced_only_with_overwrite(run_dir, tmp_path, c
 def test_a_directory_that_is_not_an_export_is_never_replaced(run_dir, tmp_path, capsys):
     """overwrite=true replaces an export, never other files (out=the run directory by mistake)."""
     before = snapshot(run_dir)
-    assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={run_dir}", "overwrite=true"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={run_dir}", f"out={run_dir}", "overwrite=true"]) == (
         f"error: out={run_dir} is a non-empty directory that is not an export; pick another out")
     assert snapshot(run_dir) == before
 
@@ -110,7 +101,7 @@ def test_overwrite_refuses_files_an_export_does_not_hold_and_replaces_links_not_
     (out / "sub").mkdir()
     (out / "sub" / "data.txt").write_text("also mine")
     before = snapshot(out)
-    assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={out}", "overwrite=true"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={run_dir}", f"out={out}", "overwrite=true"]) == (
         f"error: out={out} holds NOTES.md, sub/ besides an export; an export replaces only model.safetensors, "
         "config.json, tokenizer.json: move the rest away or pick another out")
     assert snapshot(out) == before
@@ -135,7 +126,7 @@ def test_a_symlinked_tokenizer_is_refused_not_copied(run_dir, tmp_path, capsys):
     (run / "tokenizer.json").unlink()
     (run / "tokenizer.json").symlink_to(secret)
     out = tmp_path / "export"
-    assert one_line_error(capsys, [f"checkpoint={run}", f"out={out}"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={run}", f"out={out}"]) == (
         f"error: {run / 'tokenizer.json'} is a symlink (to {secret}); export copies only regular files: replace "
         "the link with a copy of the tokenizer")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["id_key", "run"]
@@ -144,25 +135,25 @@ def test_a_symlinked_tokenizer_is_refused_not_copied(run_dir, tmp_path, capsys):
 def test_an_unwritable_out_fails_in_one_line(run_dir, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    err = one_line_error(capsys, [f"checkpoint={run_dir}", f"out={blocker / 'export'}"])
+    err = cli_error(capsys, main, [f"checkpoint={run_dir}", f"out={blocker / 'export'}"])
     assert err.startswith(f"error: out={blocker / 'export'} cannot be written (")
-    assert one_line_error(capsys, [f"checkpoint={run_dir}", f"out={blocker}"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={run_dir}", f"out={blocker}"]) == (
         f"error: out={blocker} is a file; give a directory to create")
     assert [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
 def test_a_missing_or_incomplete_checkpoint_fails_in_one_line(run_dir, tmp_path, capsys):
     out = tmp_path / "export"
-    assert one_line_error(capsys, [f"checkpoint={tmp_path / 'nowhere'}", f"out={out}"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={tmp_path / 'nowhere'}", f"out={out}"]) == (
         f"error: {tmp_path / 'nowhere'} does not exist")
     (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
-    assert one_line_error(capsys, [f"checkpoint={tmp_path / 'empty_run'}", f"out={out}"]) == (
+    assert cli_error(capsys, main, [f"checkpoint={tmp_path / 'empty_run'}", f"out={out}"]) == (
         f"error: run directory {tmp_path / 'empty_run'} has no complete checkpoint in "
         f"{tmp_path / 'empty_run' / 'checkpoints'}")
     broken = tmp_path / "broken"
     shutil.copytree(latest_checkpoint(run_dir), broken)
     (broken / ".metadata").unlink()
-    err = one_line_error(capsys, [f"checkpoint={broken}", f"out={out}"])
+    err = cli_error(capsys, main, [f"checkpoint={broken}", f"out={out}"])
     assert err.startswith(f"error: checkpoint {broken} is incomplete: missing ") and ".metadata" in err
     assert not out.exists()
 
@@ -180,7 +171,7 @@ def test_a_missing_or_incomplete_checkpoint_fails_in_one_line(run_dir, tmp_path,
     (["checkpoint=runs/x", "out=y", "overwrite=maybe"], "overwrite: Value 'maybe' is not a valid bool (type str)"),
 ])
 def test_bad_arguments_fail_in_one_line(capsys, argv, message):
-    assert one_line_error(capsys, argv) == f"error: {message}"
+    assert cli_error(capsys, main, argv) == f"error: {message}"
 
 
 def test_help_prints_every_option_and_exits_0(capsys):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from conftest import fast_train_overrides
+from conftest import cli_error, fast_train_overrides
 from json_mutations import dumps, mutated_documents
 from model import build_model
 from model.generation import generate
@@ -47,15 +47,6 @@ def run_cli(*args):
     """trainer.generate in its own process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "trainer.generate", *args], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
-
-
-def one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err
-    return err
 
 
 def test_generates_text_after_the_prompt(export_dir, capsys):
@@ -141,7 +132,7 @@ def test_run_and_checkpoint_dirs_are_refused_unread(run_dir, tmp_path, capsys, t
 
     given = run if target == "run" else checkpoint
     out = run / "export" if target == "run" else run / f"export-{checkpoint.name}"
-    assert one_line_error(capsys, [f"model={given}", "prompt=the king", "max_new_tokens=3"]) == (
+    assert cli_error(capsys, main, [f"model={given}", "prompt=the king", "max_new_tokens=3"]) == (
         f"error: model={given} is a training run or checkpoint, which generate does not load (DCP checkpoints are "
         "pickle-based, safe only from trusted sources); export it first with "
         f"`python -m trainer.export checkpoint={given} out={out}` and pass that out= as model=")
@@ -161,13 +152,13 @@ def test_run_and_checkpoint_dirs_are_refused_unread(run_dir, tmp_path, capsys, t
 ])
 def test_bad_options_are_refused_before_any_file_is_read(capsys, tmp_path, args, message):
     """The model path does not exist: the option, checked first, is what the error names."""
-    err = one_line_error(capsys, [f"model={tmp_path / 'missing'}", "prompt=the king", *args])
+    err = cli_error(capsys, main, [f"model={tmp_path / 'missing'}", "prompt=the king", *args])
     assert err == f"error: {message}"
 
 
 def test_prompt_plus_new_tokens_beyond_the_trained_context_is_refused(export_dir, capsys):
     prompt_tokens = len(Tokenizer.from_file(str(export_dir / "tokenizer.json")).encode("the king").ids)
-    err = one_line_error(capsys, [f"model={export_dir}", "prompt=the king", "max_new_tokens=40"])
+    err = cli_error(capsys, main, [f"model={export_dir}", "prompt=the king", "max_new_tokens=40"])
     assert err == (f"error: the prompt is {prompt_tokens} tokens + max_new_tokens=40 = {prompt_tokens + 40}, beyond "
                    f"the model's trained context of 32 (train.seq_len); lower max_new_tokens to {32 - prompt_tokens} "
                    "or shorten the prompt")
@@ -186,16 +177,16 @@ def test_prompt_plus_new_tokens_beyond_the_trained_context_is_refused(export_dir
     (["prompt=hi", "compile=sometimes"], "compile: Value 'sometimes' is not a valid bool"),
 ])
 def test_bad_input_fails_with_one_line(export_dir, capsys, args, fragment):
-    assert fragment in one_line_error(capsys, [f"model={export_dir}", *args])
+    assert fragment in cli_error(capsys, main, [f"model={export_dir}", *args])
 
 
 def test_model_must_be_given_and_be_an_export(export_dir, tmp_path, capsys):
-    assert one_line_error(capsys, ["prompt=hi"]) == (
+    assert cli_error(capsys, main, ["prompt=hi"]) == (
         "error: model= is required: an export directory written by python -m trainer.export")
     partial = tmp_path / "partial"
     partial.mkdir()
     shutil.copy(export_dir / "config.json", partial)
-    assert one_line_error(capsys, [f"model={partial}", "prompt=hi", "max_new_tokens=1"]) == (
+    assert cli_error(capsys, main, [f"model={partial}", "prompt=hi", "max_new_tokens=1"]) == (
         f"error: model={partial} is not an export directory: missing model.safetensors "
         "(write one with python -m trainer.export)")
 
@@ -216,7 +207,7 @@ def test_weights_that_do_not_match_the_config_are_refused(export_dir, tmp_path, 
         described["model_fingerprint"] = described["model_fingerprint"].replace("model.n_blocks=4", "model.n_blocks=5")
 
     altered = edited_copy(export_dir, tmp_path / "altered", five_blocks)
-    err = one_line_error(capsys, [f"model={altered}", "prompt=the king", "max_new_tokens=1"])
+    err = cli_error(capsys, main, [f"model={altered}", "prompt=the king", "max_new_tokens=1"])
     assert err.startswith(f"error: {altered / 'model.safetensors'} does not match the model of config.json "
                           "(missing: layers.4.")
 
@@ -225,11 +216,11 @@ def test_a_config_edited_after_export_is_refused_by_its_fingerprint(export_dir, 
     """variant.block_size null -> 4 loads the same weights into another computation (different logits)."""
     edited = edited_copy(export_dir, tmp_path / "edited",
                          lambda described: described["config"]["model"]["residual"].update(block_size=4))
-    assert one_line_error(capsys, [f"model={edited}", "prompt=the king", "max_new_tokens=1"]) == (
+    assert cli_error(capsys, main, [f"model={edited}", "prompt=the king", "max_new_tokens=1"]) == (
         f"error: {edited / 'config.json'} says variant.block_size=4 but its model_fingerprint says "
         "variant.block_size=None: the config was edited after export; restore it or re-export with trainer.export")
     unchecked = edited_copy(export_dir, tmp_path / "unchecked", lambda described: described.pop("model_fingerprint"))
-    assert one_line_error(capsys, [f"model={unchecked}", "prompt=the king", "max_new_tokens=1"]) == (
+    assert cli_error(capsys, main, [f"model={unchecked}", "prompt=the king", "max_new_tokens=1"]) == (
         f"error: {unchecked / 'config.json'} has no model_fingerprint, so its config cannot be checked; re-export "
         "with trainer.export")
 
@@ -241,7 +232,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(export_dir, tmp_path, 
     name = next(name for name, tensor in state.items() if tensor.is_floating_point())
     state[name] = torch.full_like(state[name], float("nan"))
     save_file(state, poisoned / "model.safetensors")
-    assert one_line_error(capsys, [f"model={poisoned}", "prompt=the king", "max_new_tokens=1"]) == (
+    assert cli_error(capsys, main, [f"model={poisoned}", "prompt=the king", "max_new_tokens=1"]) == (
         f"error: {poisoned / 'model.safetensors'}: tensor {name} holds {state[name].numel():,} non-finite values "
         f"(NaN or inf) of {state[name].numel():,}; export a checkpoint whose weights are finite")
 
@@ -253,12 +244,12 @@ def test_a_context_beyond_what_the_weights_were_trained_at_is_refused(export_dir
     stretched = edited_copy(export_dir, tmp_path / "stretched",
                             lambda described: described["config"]["train"].update(seq_len=10 ** 12))
     args = ["prompt=the king", "max_new_tokens=40"]
-    assert one_line_error(capsys, [f"model={stretched}", *args]) == (
+    assert cli_error(capsys, main, [f"model={stretched}", *args]) == (
         f"error: {stretched / 'config.json'} has train.seq_len=1000000000000 but {stretched / 'model.safetensors'} "
         "was trained at seq_len=32; restore config.json or re-export with trainer.export")
     # An export written before the context was recorded: train.seq_len must still be a plausible one.
     save_file(load_file(stretched / "model.safetensors"), stretched / "model.safetensors")
-    assert one_line_error(capsys, [f"model={stretched}", *args]) == (
+    assert cli_error(capsys, main, [f"model={stretched}", *args]) == (
         f"error: {stretched / 'config.json'} has train.seq_len=1000000000000, not a trained context (1 to 1,048,576 "
         "tokens); restore it or re-export with trainer.export")
 
@@ -285,7 +276,7 @@ def test_a_damaged_export_fails_in_one_line(export_dir, tmp_path, capsys, damage
     damaged = tmp_path / "damaged"
     shutil.copytree(export_dir, damaged)
     damage(damaged)
-    err = one_line_error(capsys, [f"model={damaged}", "prompt=the king", "max_new_tokens=1"])
+    err = cli_error(capsys, main, [f"model={damaged}", "prompt=the king", "max_new_tokens=1"])
     assert err.startswith(f"error: {damaged}/") and message in err
 
 
