@@ -19,6 +19,8 @@ setup(
         "tokenizers>=0.20",  # Tokenizer.encode_batch_fast (trainer/data/prepare.py)
         # trainer.export / trainer.generate: weights in a format that holds only tensors (no pickle).
         "safetensors>=0.4",
+        # trainer.export format=hf: split_torch_state_dict_into_shards (also a dependency of tokenizers).
+        "huggingface_hub>=0.23",
         "tqdm>=4.66",
         "wandb>=0.17",
         # scripts/report: the comparison report's figures (Agg backend, no display needed).

@@ -29,8 +29,6 @@ from scripts.report import build_report
 from scripts.report.runs import EVAL_FILE
 from trainer.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.config import ConfigError, load_config
-from trainer.evaluate import EvaluateArgs
-from trainer.evaluate import run as evaluate
 from trainer.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
 
@@ -58,6 +56,10 @@ def ensure_evaluation(run_dir: Path, evaluation: Evaluation | None, say) -> None
     """The report's downstream table reads run_dir/eval.json; one process writes what is missing."""
     if evaluation is None or (run_dir / EVAL_FILE).is_file() or latest_checkpoint(run_dir) is None:
         return
+    # Imported here: lm_eval belongs to the eval extra, which an experiment without `eval:` does not need.
+    from trainer.evaluate import EvaluateArgs
+    from trainer.evaluate import run as evaluate
+
     say(f"{run_dir.name}: evaluating on {', '.join(evaluation.tasks)}")
     export_dir = run_dir / "eval-export"  # the newest checkpoint, exported for the evaluation only
     try:
