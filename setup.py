@@ -17,10 +17,16 @@ setup(
         "omegaconf>=2.3,<2.4",
         "numpy>=1.24",
         "tokenizers>=0.20",  # Tokenizer.encode_batch_fast (trainer/data/prepare.py)
+        # trainer/data/documents.py: reading .parquet and .jsonl.zst inputs (imported only for those).
+        "pyarrow>=14",
+        "zstandard>=0.22",
         # trainer.export / trainer.generate: weights in a format that holds only tensors (no pickle).
         "safetensors>=0.4",
         # trainer.export format=hf: split_torch_state_dict_into_shards (also a dependency of tokenizers).
         "huggingface_hub>=0.23",
+        # The data layer: Megatron's .bin/.idx format, its blends, splits, sample indices and index cache
+        # (GPTDataset, BlendedMegatronDatasetBuilder). 0.16 is the release its use here was checked against.
+        "megatron-core>=0.16,<0.17",
         "tqdm>=4.66",
         "wandb>=0.17",
         # scripts/report: the comparison report's figures (Agg backend, no display needed).
@@ -33,6 +39,5 @@ setup(
         "eval": EVAL,
         # CUDA builds of torch bring the triton they were built with; this only bounds it.
         "gpu": ["triton>=3.4,<4", "flash-linear-attention"],
-        "megatron": ["megatron-core"],
     },
 )

@@ -1,5 +1,5 @@
 """Pre-flight: validate the config, check the run directory (writable, not in use, room for a checkpoint)
-and prepare the data in one process, before torchrun starts ranks.
+and prepare the data and its sample indices in one process, before torchrun starts ranks.
 
     python -m trainer.check --nproc 2 [hydra overrides]
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from model import build_model
 from model.params import count_parameters
 from trainer.config import ConfigError, load_config, validate_layout
-from trainer.data import num_windows, open_dataset, resolve_dataset
+from trainer.data import open_samples
 from trainer.lock import check_run_dir
 
 
@@ -31,16 +31,15 @@ def main(argv: list[str] | None = None) -> None:
         train = cfg.train
         validate_layout(cfg, args.nproc)
         check_run_dir(Path(cfg.run.dir).resolve(), total_parameters(cfg))  # RunDirError is a RuntimeError
-        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
-        data = open_dataset(resolved, "train", cfg.model.vocab_size)
-        if num_windows(len(data), train.seq_len) < train.global_batch:
-            raise ConfigError(f"train.seq_len={train.seq_len}: {len(data)} training tokens hold fewer windows "
-                              f"than train.global_batch={train.global_batch}")
+        # Prepared data and megatron-core's index cache, built here once so the ranks only read them.
+        samples = open_samples(cfg.data, cfg.model.vocab_size, train.seq_len, cfg.seed)
+        samples.build_for_run(train.steps, train.global_batch)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     print(f"config ok: model d={cfg.model.d_model} x {cfg.model.n_blocks} blocks, "
-          f"variant={cfg.model.residual.variant}, data {resolved}", file=sys.stderr)
+          f"variant={cfg.model.residual.variant}, data {samples.blend.describe()} "
+          f"({samples.pass_samples} training samples a pass, {samples.val_samples} validation)", file=sys.stderr)
 
 
 if __name__ == "__main__":

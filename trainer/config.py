@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -72,9 +73,13 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     path: str | None = None
-    cache_dir: str | None = None
+    blend: list[Any] | None = None    # Megatron's --data-path: [0.3, PATH_A, 0.7, PATH_B] or [{weight, path}, ...]
+    split: str = "98,2,0"             # train, valid, test shares of each source's documents (Megatron's --split)
+    cache_dir: str | None = None      # prepared datasets and megatron-core's sample indices (indices/)
     tokenizer: str | None = None      # a tokenizers tokenizer.json to use instead of training a BPE
     document_masking: bool = False    # no token sees an earlier document of its window (model/documents.py)
+    prepare_workers: int = 1          # processes tokenising input files at once
+    bad_inputs: str = "stop"          # an unreadable input file: stop the preparation, or skip it
 
 
 @dataclass
@@ -225,6 +230,21 @@ def config_from_saved(saved: object) -> Config:
         raise ConfigError(_one_line(error)) from None
 
 
+def _validate_data(cfg: Config) -> None:
+    """data.blend, data.split and the preparation options, with the data layer's own one-line messages."""
+    from trainer.data import DataError, PrepareOptions, check_split, parse_blend
+
+    d = cfg.data
+    try:
+        for entry in parse_blend(d.blend, d.path):
+            if entry.path is not None and not entry.path.strip():
+                raise DataError(f"data.blend: path {entry.path!r} is empty, which would mean the current directory")
+        check_split(d.split)
+        PrepareOptions(d.prepare_workers, d.bad_inputs)
+    except DataError as error:
+        raise ConfigError(str(error)) from None
+
+
 def check_values(cfg: Config) -> Config:
     """The checks of a config that need only its values: choices, ranges, and settings that must agree."""
     _validate_paths(cfg)
@@ -239,6 +259,7 @@ def check_values(cfg: Config) -> Config:
             value = _get(cfg, key)
             if not in_range(value):
                 raise ConfigError(f"{key}={value!r} {allowed}")
+    _validate_data(cfg)
     m, r = cfg.model, cfg.model.residual
     if m.d_model % r.heads:
         raise ConfigError(f"variant.heads={r.heads} must divide model.d_model={m.d_model}")

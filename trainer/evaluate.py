@@ -34,15 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lm_eval
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from model.documents import document_starts
 from trainer.config import Config
-from trainer.data.format import (MANIFEST_NAME, TOKENIZER_NAME, DataError, DatasetCorruptError, scan_tokens,
-                                 sha256_file, split_path, verify_dataset)
-from trainer.data.streams import TokenDataset, val_batches
+from trainer.data import BlendSamples, default_cache_dir, resolve_blend
+from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, sha256_file, verify_dataset
 from trainer.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
 from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
 from trainer.lm_eval_model import AttnResLM, pick_device
@@ -113,31 +111,22 @@ def check_options(args: EvaluateArgs) -> None:
         raise EvaluateError(f"num_fewshot={args.num_fewshot} must be >= 0")
 
 
-def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> Path:
-    """A prepared dataset whose val split the export can score: its tokenizer, one window of the trained
-    context at least, and a val.bin that matches its manifest with every id inside the model's vocab."""
+def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> BlendSamples:
+    """A prepared dataset whose validation split the export can score: its tokenizer, a valid split (by the
+    run's data.split) of one sample of the trained context at least, and files that match their manifest
+    with every id inside the model's vocab."""
     path = Path(given)
     hint = PREPARE_HINT.format(tokenizer=tokenizer_file)
     if not path.exists():
         raise EvaluateError(f"perplexity={given} does not exist; give a prepared dataset directory ({hint})")
     if not (path / MANIFEST_NAME).is_file():
         raise EvaluateError(f"perplexity={given} is not a prepared dataset (no {MANIFEST_NAME}); {hint}")
-    manifest = verify_dataset(path, check_checksums=False)
+    manifest = verify_dataset(path)
     if manifest["sha256"][TOKENIZER_NAME] != sha256_file(tokenizer_file):
         raise EvaluateError(f"perplexity={given} was tokenised with another tokenizer than {tokenizer_file}; "
                             f"its ids would mean other text to this model: {hint}")
-    window = cfg.train.seq_len + 1
-    if manifest["tokens"]["val"] < window:
-        raise EvaluateError(f"perplexity={given}: its val split has {manifest['tokens']['val']} tokens, fewer than "
-                            f"one window of the trained context (train.seq_len + 1 = {window}); prepare more text")
-    val = split_path(path, "val")
-    checksum, outside = scan_tokens(val, np.dtype(manifest["dtype"]), cfg.model.vocab_size)
-    if checksum != manifest["sha256"][val.name]:
-        raise DatasetCorruptError(f"{val}: sha256 does not match {MANIFEST_NAME}; delete {path} to rebuild it")
-    if outside is not None:
-        raise DatasetCorruptError(f"{val}: token {outside[0]} is id {outside[1]}, outside the model's vocab of "
-                                  f"{cfg.model.vocab_size}")
-    return path
+    blend = resolve_blend(None, str(path), None, cfg.model.vocab_size, None)
+    return BlendSamples(blend, cfg.data.split, cfg.train.seq_len, cfg.seed, default_cache_dir())
 
 
 def check_include_path(include_path: str | None) -> Path:
@@ -173,21 +162,20 @@ def unknown_name(name: str, known: list[str]) -> str:
 
 
 @torch.no_grad()
-def dataset_perplexity(lm: AttnResLM, dataset_dir: Path, cfg: Config, batch_size: int) -> dict:
-    """Mean loss over the val split's windows of train.seq_len predictions (the trainer's val windows, all
-    of them), its exp, and bits per byte: the summed loss in bits over the UTF-8 bytes of the predicted
+def dataset_perplexity(lm: AttnResLM, samples: BlendSamples, cfg: Config, batch_size: int) -> dict:
+    """Mean loss over every validation sample of train.seq_len predictions (the trainer's validation samples,
+    all of them), its exp, and bits per byte: the summed loss in bits over the UTF-8 bytes of the predicted
     tokens' text (the end-of-text token has none)."""
-    val = TokenDataset(dataset_dir, "val")
+    eot_id = samples.blend.eot_id
     nll, tokens, text_bytes = 0.0, 0, 0
-    for inputs, targets in val_batches(val, cfg.train.seq_len, batch_size):
+    for inputs, targets in samples.val_batches(batch_size):
         inputs, targets = inputs.to(lm.device), targets.to(lm.device)
         # A model trained with document masking saw no earlier document of its window; score it the same way.
-        starts = document_starts(inputs, val.eot_id) if cfg.data.document_masking else None
+        starts = document_starts(inputs, eot_id) if cfg.data.document_masking else None
         logits = lm.model(inputs, document_starts=starts)  # (B, T, vocab)
         nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
         tokens += targets.numel()
-        # The windows of a batch are consecutive in the stream, so the rows decode as one text.
-        text_bytes += len(lm.tok_decode(targets.flatten().tolist()).encode("utf-8"))
+        text_bytes += sum(len(lm.tok_decode(row).encode("utf-8")) for row in targets.tolist())
     loss = nll / tokens
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": nll / (math.log(2) * text_bytes),
             "tokens": tokens, "bytes": text_bytes}

@@ -10,7 +10,7 @@ import torch
 from model import build_model
 from trainer.checkpoint import CheckpointError, check_model_shapes, load_checkpoint, resolve_checkpoint, verify_checkpoint
 from trainer.config import Config, ConfigError, config_from_saved
-from trainer.data import open_dataset, resolve_dataset, val_batches
+from trainer.data import open_samples
 
 
 @dataclass
@@ -25,11 +25,10 @@ class TrainedRun:
         return self.meta.get("step")
 
     def validation_batches(self, batches: int, micro_batch: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first `batches` of the trainer's fixed validation windows, (inputs, targets) pairs."""
+        """The first `batches` of the trainer's fixed validation samples, (inputs, targets) pairs."""
         cfg = self.cfg
-        resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
-        data = open_dataset(resolved, "val", cfg.model.vocab_size)
-        return list(val_batches(data, cfg.train.seq_len, micro_batch or cfg.train.micro_batch, batches))
+        samples = open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
+        return list(samples.val_batches(micro_batch or cfg.train.micro_batch, batches))
 
 
 def run_config(checkpoint: Path, meta: dict) -> Config:

@@ -28,7 +28,7 @@ from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, che
                                 remove_partial_saves, unfinished_checkpoints,
                                 resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
-from trainer.data import SequenceSampler, get_batch, num_windows, open_dataset, resolve_dataset, val_batches
+from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops
 from trainer.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
@@ -118,7 +118,7 @@ class Trainer:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, train)
-        self.sampler = SequenceSampler(len(self.train_data), train.seq_len, cfg.seed)
+        self.sampler = SampleSampler(self.samples.pass_samples, train.seq_len, cfg.seed)
         # Once, at start: the FLOPs are a function of the config, the peak of the device.
         self.flops_per_token = training_flops_per_token(cfg.model, train.seq_len)["total"]
         self.peak_tflops = device_peak_tflops(info.device, train.peak_tflops)
@@ -169,29 +169,21 @@ class Trainer:
     def _open_data(self) -> None:
         cfg = self.cfg
         if self.info.is_main:  # prepare once; the other ranks then find it in the cache
-            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
+            open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
         barrier()
-        if not self.info.is_main:
-            resolved = resolve_dataset(cfg.data.path, cfg.data.cache_dir, cfg.model.vocab_size, cfg.data.tokenizer)
-        self.tokenizer_file = resolved / "tokenizer.json" if resolved.is_dir() else None
-        self.train_data = open_dataset(resolved, "train", cfg.model.vocab_size)
-        self.val_data = open_dataset(resolved, "val", cfg.model.vocab_size)
-        seq_len = cfg.train.seq_len
-        if num_windows(len(self.train_data), seq_len) < cfg.train.global_batch:
-            raise ConfigError(f"train.seq_len={seq_len}: the training split ({len(self.train_data)} tokens) holds "
-                              f"fewer windows than train.global_batch={cfg.train.global_batch}")
-        if num_windows(len(self.val_data), seq_len) == 0:
-            raise ConfigError(f"train.seq_len={seq_len} is longer than the validation split ({len(self.val_data)} tokens)")
+        self.samples = open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
+        self.tokenizer_file = self.samples.blend.tokenizer_file
+        self.samples.build_for_run(cfg.train.steps, cfg.train.global_batch)  # on every rank at once: collective
 
     def _document_boundary(self) -> int | None:
         """The end-of-text id documents are masked at (data.document_masking), from the dataset's manifest."""
         if not self.cfg.data.document_masking:
             return None
-        eot_id = getattr(self.train_data, "eot_id", None)
+        eot_id = self.samples.blend.eot_id
         if eot_id is None:
             raise ConfigError(f"data.document_masking=true needs the end-of-text id, which a prepared dataset's "
-                              f"manifest records and {self.cfg.data.path} (a Megatron prefix) does not; prepare the "
-                              "text with scripts.prepare_data or set data.document_masking=false")
+                              f"manifest records and a Megatron prefix ({self.samples.blend.describe()}) does not; "
+                              "prepare the text with scripts.prepare_data or set data.document_masking=false")
         return eot_id
 
     def _resume(self) -> Path | None:
@@ -223,7 +215,7 @@ class Trainer:
         skipped, sampler = extra.get("skipped_steps", 0), extra.get("sampler")
         if not isinstance(skipped, int) or isinstance(skipped, bool) or not 0 <= skipped <= step:
             raise CheckpointError(f"{name} has skipped_steps {skipped!r}; expected an integer in [0, {step}]")
-        counters = ("consumed_samples", "seed", "seq_len", "num_windows")
+        counters = ("consumed_samples", "seed", "seq_len", "pass_samples")
         if not isinstance(sampler, dict) or not all(type(sampler.get(key)) is int and sampler[key] >= 0
                                                     for key in counters):
             raise CheckpointError(f"{name} has no usable sampler state; expected integers >= 0 for "
@@ -451,14 +443,14 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, train = self.cfg, self.cfg.train
         start = time.perf_counter()
-        windows = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
+        samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
         # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
         whole_model = self.layout.pp == 1 and self.layout.tp == 1
         diagnostics = {} if (self.step + 1) % train.diag_every == 0 and whole_model else None
         micro_batches = []
         for micro in range(self.accumulation):
-            chunk = windows[micro * train.micro_batch:(micro + 1) * train.micro_batch]
-            micro_batches.append(tuple(t.to(self.info.device) for t in get_batch(self.train_data, chunk, train.seq_len)))
+            chunk = samples[micro * train.micro_batch:(micro + 1) * train.micro_batch]
+            micro_batches.append(tuple(t.to(self.info.device) for t in self.samples.train_batch(chunk)))
         data_time = time.perf_counter() - start
         self.model.train()
         loss = self.engine.forward_backward(micro_batches, self._autocast, diagnostics).item()
@@ -516,10 +508,10 @@ class Trainer:
         return out
 
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation windows; data-parallel ranks split the batches."""
+        """Mean loss over the fixed validation samples; data-parallel ranks split the batches."""
         train = self.cfg.train
         batches = [tuple(t.to(self.info.device) for t in batch)
-                   for batch in val_batches(self.val_data, train.seq_len, train.micro_batch, train.eval_batches)]
+                   for batch in self.samples.val_batches(train.micro_batch, train.eval_batches)]
         loss_sum, tokens = self.engine.evaluate(batches, self._autocast)
         totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
         if self.layout.dp_group is not None:

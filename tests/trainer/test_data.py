@@ -1,4 +1,5 @@
-"""Data pipeline: corpus preparation, dataset resolution, the resumable sampler and batches. No network."""
+"""Data preparation: the Megatron .bin/.idx format with its manifest, reuse, tokenizers, continuing a killed
+preparation, workers, progress and one-line errors. No network. Blends and samples: test_blend.py."""
 import ast
 import fcntl
 import json
@@ -12,9 +13,7 @@ import sys
 import termios
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from tqdm import tqdm
 
@@ -23,18 +22,18 @@ from trainer.data import (
     DataError,
     DataPreparationError,
     DatasetCorruptError,
-    SequenceSampler,
-    TokenDataset,
-    get_batch,
-    open_dataset,
+    PrepareOptions,
     prepare_default_corpus,
     prepare_text_corpus,
+    resolve_blend,
     resolve_dataset,
-    val_batches,
+    verify_dataset,
 )
-from trainer.data import documents, prepare
+from trainer.data import documents, shards
 from trainer.data.documents import Piece
-from trainer.data.prepare import document_batches, train_tokenizer
+from trainer.data.mcore import megatron_datasets
+from trainer.data.prepare import train_tokenizer
+from trainer.data.shards import document_batches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,20 +61,28 @@ def corpus(tmp_path_factory):
     return dataset_dir, texts
 
 
-def test_prepare_writes_manifest_bins_and_tokenizer(corpus):
+def megatron_documents(dataset_dir):
+    """Every document's token ids, read back with megatron-core's own IndexedDataset."""
+    indexed = megatron_datasets().IndexedDataset(str(dataset_dir / "tokens"))
+    sequences = [indexed[i].tolist() for i in range(len(indexed))]
+    bounds = indexed.document_indices.tolist()
+    return [sum(sequences[a:b], []) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def test_prepare_writes_a_megatron_indexed_dataset_with_manifest_and_tokenizer(corpus):
     dataset_dir, texts = corpus
     manifest = json.loads((dataset_dir / "manifest.json").read_text())
-    assert manifest["dtype"] == "uint16"
-    assert manifest["documents"] == len(texts)
+    assert sorted(p.name for p in dataset_dir.iterdir()) == ["manifest.json", "tokenizer.json", "tokens.bin", "tokens.idx"]
+    assert manifest["format"] == "attnres-megatron-v1" and manifest["dtype"] == "uint16"
+    assert manifest["documents"] == manifest["sequences"] == len(texts)
     assert manifest["vocab_size"] <= VOCAB
-    assert manifest["tokens"]["train"] > 0 and manifest["tokens"]["val"] > 0
-    for split in ("train", "val"):
-        assert (dataset_dir / f"{split}.bin").stat().st_size == manifest["tokens"][split] * 2
-    assert set(manifest["sha256"]) == {"train.bin", "val.bin", "tokenizer.json"}
-    # One EOT after every document, across the two splits.
-    stream = np.concatenate([np.fromfile(dataset_dir / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
-    assert (stream == manifest["eot_id"]).sum() == len(texts)
-    assert not list(dataset_dir.parent.glob(".*building*")), "temporary build directory left behind"
+    assert (dataset_dir / "tokens.bin").stat().st_size == manifest["tokens"] * 2
+    assert set(manifest["sha256"]) == {"tokens.bin", "tokens.idx", "tokenizer.json"}
+    # Megatron's reader sees one document per input, each ending with the one EOT it holds.
+    docs = megatron_documents(dataset_dir)
+    assert len(docs) == len(texts) and sum(map(len, docs)) == manifest["tokens"]
+    assert all(doc[-1] == manifest["eot_id"] and manifest["eot_id"] not in doc[:-1] for doc in docs)
+    assert not list(dataset_dir.parent.glob(".*.partial")), "build directory left behind"
 
 
 def test_second_prepare_reuses_without_rewriting(corpus):
@@ -91,40 +98,62 @@ def test_tokenizer_round_trips_text(corpus):
     tokenizer = Tokenizer.from_file(str(dataset_dir / "tokenizer.json"))
     for text in [texts[0], "  Odd spacing,\ttabs\nand unicode: café ✓ <|endoftext|> end"]:
         assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
-    stream = np.fromfile(dataset_dir / "train.bin", dtype=np.uint16)
-    first_document = stream[: np.argmax(stream == tokenizer.token_to_id("<|endoftext|>"))]
-    assert tokenizer.decode(first_document.tolist()) == texts[0]
+    assert tokenizer.decode(megatron_documents(dataset_dir)[0][:-1]) == texts[0]
 
 
 def test_corrupted_bin_is_named(corpus, tmp_path):
     dataset_dir, _ = corpus
     copy = shutil.copytree(dataset_dir, tmp_path / "prepared")
-    data = bytearray((copy / "train.bin").read_bytes())
+    data = bytearray((copy / "tokens.bin").read_bytes())
     data[10] ^= 0xFF
-    (copy / "train.bin").write_bytes(data)
-    with pytest.raises(DatasetCorruptError, match="train.bin"):
+    (copy / "tokens.bin").write_bytes(data)
+    with pytest.raises(DatasetCorruptError, match="tokens.bin"):
         prepare_text_corpus([dataset_dir.parent / "texts"], copy, VOCAB)
 
 
-def test_truncated_bin_is_named_on_open(corpus, tmp_path):
+@pytest.mark.parametrize("name", ["tokens.bin", "tokens.idx"])
+def test_truncated_file_is_named_by_the_cheap_check(corpus, tmp_path, name):
     dataset_dir, _ = corpus
     copy = shutil.copytree(dataset_dir, tmp_path / "prepared")
-    with open(copy / "val.bin", "r+b") as f:
+    with open(copy / name, "r+b") as f:
         f.truncate(2)
-    with pytest.raises(DatasetCorruptError, match="val.bin"):
-        TokenDataset(copy, "val")
+    with pytest.raises(DatasetCorruptError, match=name):
+        verify_dataset(copy, check_checksums=False)
 
 
-def test_failed_build_leaves_no_dataset(tmp_path, monkeypatch):
-    write_documents(tmp_path / "texts", count=2)
+def test_a_killed_preparation_continues_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
+    """Killed after its second file, a preparation leaves the tokenizer and two finished shards; the next one
+    tokenises only the other files and publishes the dataset an uninterrupted preparation writes."""
+    texts = corpus[0].parent / "texts"
+    real_write_shard, calls = shards.write_shard, []
 
-    def fail(*args, **kwargs):
-        raise KeyboardInterrupt
+    def killed_after_two(job, *args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(job.part.name)
+        return real_write_shard(job, *args, **kwargs)
 
-    monkeypatch.setattr(prepare, "write_token_stream", fail)
+    monkeypatch.setattr(shards, "write_shard", killed_after_two)
+    out = tmp_path / "prepared"
     with pytest.raises(KeyboardInterrupt):
-        prepare_text_corpus([tmp_path / "texts"], tmp_path / "out" / "prepared", VOCAB)
-    assert list((tmp_path / "out").iterdir()) == []
+        prepare_text_corpus([texts], out, VOCAB)
+    assert not out.exists() and sorted(p.name for p in (tmp_path / ".prepared.partial").glob("p*.json")) == [
+        "part-00000.json", "part-00001.json", "plan.json"]
+    monkeypatch.setattr(shards, "write_shard", real_write_shard)
+    capsys.readouterr()
+    assert prepare_text_corpus([texts], out, VOCAB) == out
+    err = capsys.readouterr().err
+    assert "continuing a preparation that stopped: 2 of 5 files already tokenised" in err
+    assert "training byte-level BPE" not in err  # the tokenizer of the killed run is kept
+    for name in ("tokens.bin", "tokens.idx", "tokenizer.json"):
+        assert (out / name).read_bytes() == (corpus[0] / name).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]
+
+
+def test_two_workers_write_the_bytes_one_process_writes(corpus, tmp_path):
+    out = prepare_text_corpus([corpus[0].parent / "texts"], tmp_path / "two", VOCAB, options=PrepareOptions(workers=2))
+    for name in ("tokens.bin", "tokens.idx", "tokenizer.json"):
+        assert (out / name).read_bytes() == (corpus[0] / name).read_bytes()
 
 
 def test_jsonl_input_with_text_field(tmp_path):
@@ -172,136 +201,13 @@ def test_offline_default_corpus_fails_with_one_clear_line(tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_model_vocab_must_cover_dataset_vocab(corpus):
+def test_model_vocab_must_cover_dataset_vocab(corpus, tmp_path):
     dataset_dir, _ = corpus
-    with pytest.raises(ValueError, match="vocab size"):
-        open_dataset(dataset_dir, "train", vocab_size=100)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampler and batches
-
-
-def windows_per_rank(num_tokens, seq_len, seed, global_batch, dp_size, steps):
-    """rank -> step -> windows; each rank holds its own sampler, as separate processes would."""
-    per_rank = []
-    for rank in range(dp_size):
-        sampler = SequenceSampler(num_tokens, seq_len, seed)
-        per_rank.append([sampler.next_batch(global_batch, rank, dp_size) for _ in range(steps)])
-    return per_rank
-
-
-@pytest.mark.parametrize("dp_size", [1, 2, 4])
-def test_one_epoch_covers_every_window_once_with_disjoint_ranks(dp_size):
-    seq_len, windows, global_batch = 8, 96, 8
-    per_rank = windows_per_rank(windows * seq_len + 1, seq_len, 3, global_batch, dp_size, steps=windows // global_batch)
-    assert all(len(batch) == global_batch // dp_size for rank in per_rank for batch in rank)
-    rank_sets = [{w for batch in rank for w in batch} for rank in per_rank]
-    for a in range(dp_size):
-        for b in range(a + 1, dp_size):
-            assert not rank_sets[a] & rank_sets[b]
-    everything = [w for rank in per_rank for batch in rank for w in batch]
-    assert sorted(everything) == list(range(windows))
-
-
-def test_resume_continues_exactly_across_an_epoch_boundary():
-    num_tokens, seq_len, seed, global_batch = 50 * 4 + 1, 4, 7, 6  # 50 windows: epochs end mid-step
-    uninterrupted = SequenceSampler(num_tokens, seq_len, seed)
-    expected = [uninterrupted.next_batch(global_batch, 1, 2) for _ in range(20)]
-
-    first = SequenceSampler(num_tokens, seq_len, seed)
-    consumed = [first.next_batch(global_batch, 1, 2) for _ in range(7)]
-    state = first.state_dict()
-    resumed = SequenceSampler(num_tokens, seq_len, seed)
-    resumed.load_state_dict(state)
-    consumed += [resumed.next_batch(global_batch, 1, 2) for _ in range(13)]
-    assert consumed == expected
-    assert resumed.epoch == 20 * global_batch // 50
-
-
-def test_each_epoch_is_a_fresh_permutation_and_seeds_differ():
-    sampler = SequenceSampler(100 * 4 + 1, 4, seed=0)
-    epoch0, epoch1 = sampler.next_batch(100), sampler.next_batch(100)
-    assert sorted(epoch0) == sorted(epoch1) == list(range(100))
-    assert epoch0 != epoch1
-    assert SequenceSampler(100 * 4 + 1, 4, seed=1).next_batch(100) != epoch0
-
-
-def test_sampler_refuses_mismatched_state_and_uneven_split():
-    sampler = SequenceSampler(101, 4, seed=0)
-    with pytest.raises(ValueError, match="seed"):
-        sampler.load_state_dict(SequenceSampler(101, 4, seed=1).state_dict())
-    with pytest.raises(ValueError, match="divisible"):
-        sampler.next_batch(6, 0, 4)
-
-
-def test_get_batch_targets_are_inputs_shifted_by_one(corpus):
-    dataset = TokenDataset(corpus[0], "train")
-    seq_len = 16
-    inputs, targets = get_batch(dataset, [0, 3, 5], seq_len)
-    assert inputs.dtype == targets.dtype == torch.long
-    assert inputs.shape == targets.shape == (3, seq_len)
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    tokens = torch.from_numpy(np.asarray(dataset.tokens, dtype=np.int64))
-    assert torch.equal(inputs[1], tokens[3 * seq_len : 4 * seq_len])
-    assert torch.equal(targets[1], tokens[3 * seq_len + 1 : 4 * seq_len + 1])
-
-
-def test_val_batches_are_the_same_every_call(corpus):
-    dataset = TokenDataset(corpus[0], "val")
-    seq_len, batch_size = 4, 3
-    first = list(val_batches(dataset, seq_len, batch_size, max_batches=2))
-    second = list(val_batches(dataset, seq_len, batch_size, max_batches=2))
-    assert len(first) == 2 and all(x.shape == (batch_size, seq_len) for x, _ in first)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second))
-    everything = list(val_batches(dataset, seq_len, batch_size))
-    assert sum(len(x) for x, _ in everything) == (len(dataset) - 1) // seq_len
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron indexed datasets (optional extra)
-
-
-def megatron_available():
-    try:
-        import megatron.core.datasets.indexed_dataset  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(megatron_available(), reason="megatron-core is installed")
-def test_megatron_prefix_without_megatron_core_names_the_extra(tmp_path):
-    (tmp_path / "corpus_text_document.bin").write_bytes(b"")
-    (tmp_path / "corpus_text_document.idx").write_bytes(b"")
-    prefix = resolve_dataset(str(tmp_path / "corpus_text_document.bin"), cache_dir=tmp_path, vocab_size=VOCAB)
-    assert prefix == tmp_path / "corpus_text_document"
-    with pytest.raises(DataError, match=r"pip install -e '\.\[megatron\]'"):
-        open_dataset(prefix, "train", vocab_size=VOCAB)
-
-
-@pytest.mark.skipif(not megatron_available(), reason="needs the megatron extra")
-def test_megatron_documents_are_concatenated_into_one_stream(tmp_path):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    rng = np.random.default_rng(0)
-    documents = [rng.integers(0, VOCAB, size=n) for n in (7, 1, 30, 12, 50)]
-    builder = IndexedDatasetBuilder(str(tmp_path / "corpus.bin"), dtype=np.uint16)
-    for document in documents:
-        builder.add_item(torch.from_numpy(document))
-        builder.end_document()
-    builder.finalize(str(tmp_path / "corpus.idx"))
-
-    prefix = resolve_dataset(str(tmp_path / "corpus"), cache_dir=tmp_path, vocab_size=VOCAB)
-    stream = np.concatenate(documents)
-    train, val = open_dataset(prefix, "train", VOCAB), open_dataset(prefix, "val", VOCAB)
-    assert len(train) + len(val) == len(stream) and len(val) > 0
-    assert np.array_equal(train.read(0, len(train)), stream[: len(train)])
-    assert np.array_equal(train.read(5, 40), stream[5:45])
-    assert np.array_equal(val.read(0, len(val)), stream[len(train) :])
-    inputs, targets = get_batch(train, [1, 2], seq_len=8)
-    assert torch.equal(inputs[0], torch.from_numpy(stream[8:16]))
-    assert torch.equal(targets[1], torch.from_numpy(stream[17:25]))
+    vocab = json.loads((dataset_dir / "manifest.json").read_text())["vocab_size"]
+    with pytest.raises(DataError) as error:
+        resolve_blend(None, str(dataset_dir), tmp_path, 100, None)
+    assert str(error.value) == (f"data: the dataset vocab size is {vocab}, more than model.vocab_size=100; "
+                                f"set model.vocab_size to at least {vocab}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,11 +243,8 @@ def shared_tokenizer(tmp_path_factory):
 
 
 def document_ids(dataset_dir):
-    """The token ids of every document, in order, read back from both splits."""
-    manifest = json.loads((dataset_dir / "manifest.json").read_text())
-    stream = np.concatenate([np.fromfile(dataset_dir / f"{s}.bin", dtype=manifest["dtype"]) for s in ("train", "val")])
-    ends = np.flatnonzero(stream == manifest["eot_id"])
-    return [stream[start + 1 if i else 0 : end].tolist() for i, (start, end) in enumerate(zip(np.r_[-1, ends[:-1]], ends))]
+    """The token ids of every document, in order, without their EOT."""
+    return [doc[:-1] for doc in megatron_documents(dataset_dir)]
 
 
 def test_two_corpora_prepared_with_one_tokenizer_share_ids_and_train_nothing(shared_tokenizer, tmp_path):
@@ -360,8 +263,8 @@ def test_two_corpora_prepared_with_one_tokenizer_share_ids_and_train_nothing(sha
         manifest = json.loads((dataset_dir / "manifest.json").read_text())
         assert manifest["tokenizer"] == {"kind": "file", "sha256": manifest["sha256"]["tokenizer.json"],
                                          "path": str(shared_tokenizer.resolve())}
-        assert manifest["vocab_size"] == 333 and manifest["requested_vocab_size"] is None
-        assert dataset_dir.name.endswith(f"-tok{manifest['sha256']['tokenizer.json'][:16]}")
+        assert manifest["vocab_size"] == 333
+        assert dataset_dir.name.endswith(f"-tok{manifest['sha256']['tokenizer.json'][:16]}-megatron")
 
 
 def test_tokenizer_content_keys_the_prepared_data(shared_tokenizer, tmp_path):
@@ -415,19 +318,24 @@ def test_prepare_data_cli_and_check_take_the_tokenizer(shared_tokenizer, tmp_pat
     assert (prepared / "tokenizer.json").read_bytes() == shared_tokenizer.read_bytes()
     # trainer.check with the same data.* keys finds that dataset instead of preparing another.
     check_main(["model=xs", f"data.path={tmp_path / 'texts'}", f"data.tokenizer={shared_tokenizer}",
-                f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=32", "train.micro_batch=2", "train.global_batch=4"])
+                f"data.cache_dir={tmp_path / 'cache'}", "data.split='50,50,0'", "train.seq_len=32", "train.micro_batch=2",
+                "train.global_batch=4"])
     err = capsys.readouterr().err
-    assert f"reusing {prepared}" in err and f"data {prepared}" in err
-    assert list((tmp_path / "cache").iterdir()) == [prepared]
+    assert f"reusing {prepared}" in err and f"data 1 {tmp_path / 'texts'} (" in err
+    assert sorted((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / "indices", prepared]
 
 
-def test_old_manifest_without_tokenizer_record_is_still_reused(corpus, tmp_path):
-    dataset_dir, _ = corpus
-    copy = shutil.copytree(dataset_dir, tmp_path / "prepared")
-    manifest = json.loads((copy / "manifest.json").read_text())
-    del manifest["tokenizer"]
-    (copy / "manifest.json").write_text(json.dumps(manifest))
-    assert prepare_text_corpus([dataset_dir.parent / "texts"], copy, VOCAB) == copy
+def test_data_prepared_in_the_old_format_is_refused_naming_the_command_that_prepares_it_again(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format": "attnres-tokens-v1", "source": {
+        "kind": "text", "inputs": ["/corpora/books"], "fingerprint": "f"}}))
+    with pytest.raises(DataError) as error:
+        resolve_dataset(str(old), tmp_path / "cache", VOCAB)
+    assert str(error.value) == (
+        f"{old} was prepared in the old attnres-tokens-v1 format (train.bin/val.bin), which this version does not "
+        f"read; prepare it again as Megatron .bin/.idx: python -m scripts.prepare_data --source /corpora/books "
+        f"--out {old}-megatron")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +372,7 @@ def test_progress_bar_on_a_terminal_and_rate_at_the_end(tmp_path):
     size = sum(p.stat().st_size for p in (tmp_path / "texts").iterdir())
     total = tqdm.format_sizeof(size)
     assert "[prepare_data] tokenising: 100%" in text and f"| {total}/{total} [" in text, text
-    assert "tokenised 3 documents into" in text and "tokens/s on" in text
+    assert "done: 3 documents, " in text and " tokens/s, 1 workers) -> " in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,15 +406,7 @@ def latin1_txt(tmp_path):
     return tmp_path / "latin1.txt", "latin1.txt: not UTF-8 text (invalid byte at offset 0)"
 
 
-def megatron_prefix_without_megatron_core(tmp_path):
-    (tmp_path / "corpus_text_document.bin").write_bytes(b"")
-    (tmp_path / "corpus_text_document.idx").write_bytes(b"")
-    return tmp_path / "corpus_text_document", "reading it needs megatron-core: pip install -e '.[megatron]'"
-
-
-UNUSABLE_DATA = [empty_txt, directory_of_empty_files, jsonl_without_text, binary_txt, latin1_txt,
-                 pytest.param(megatron_prefix_without_megatron_core,
-                              marks=pytest.mark.skipif(megatron_available(), reason="megatron-core is installed"))]
+UNUSABLE_DATA = [empty_txt, directory_of_empty_files, jsonl_without_text, binary_txt, latin1_txt]
 
 
 def assert_one_error_line(stderr, fragment, data_path, cache_dir):

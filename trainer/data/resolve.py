@@ -1,13 +1,23 @@
-"""From data.path (and data.tokenizer) to an opened token stream: what a path means, preparing it once."""
+"""From data.path or data.blend (and data.tokenizer) to the weighted Megatron prefixes a run reads, preparing
+(once, cached) what needs preparing.
+
+data.blend is Megatron's --data-path: [0.3, PATH_A, 0.7, PATH_B], or a list of {weight, path}; data.path is a
+blend of one. Every source must carry the same token ids: without data.tokenizer, the first text source trains
+the BPE and the others are tokenised with it, and a prepared dataset made with another tokenizer is refused.
+"""
 from __future__ import annotations
 
+import math
+import reprlib
+from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data.documents import TEXT_SUFFIXES
+from trainer.data.documents import is_text_input
 from trainer.data.format import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
     DataError,
+    dataset_prefix,
     default_cache_dir,
     read_manifest,
     verify_dataset,
@@ -15,15 +25,16 @@ from trainer.data.format import (
 from trainer.data.prepare import (
     DEFAULT_VOCAB_SIZE,
     GivenTokenizer,
+    PrepareOptions,
     prepare_cached_text_corpus,
     prepare_default_corpus,
 )
-from trainer.data.streams import MegatronTokenDataset, TokenDataset, TokenStream
 
 VALID_DATA_PATHS = (
-    "a prepared dataset directory (with manifest.json), a directory of .txt/.jsonl files, "
-    "a .txt file, a .jsonl file with a 'text' field, or a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx)"
+    "a prepared dataset directory (with manifest.json), a directory or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/"
+    ".parquet files, one such file, or a Megatron indexed dataset prefix (PREFIX.bin + PREFIX.idx)"
 )
+VALID_BLEND = "a list [WEIGHT, PATH, WEIGHT, PATH, ...] or [{weight: W, path: P}, ...] with positive weights"
 
 
 def megatron_prefix(path: Path) -> Path | None:
@@ -35,17 +46,18 @@ def megatron_prefix(path: Path) -> Path | None:
 
 
 def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab_size: int | None = DEFAULT_VOCAB_SIZE,
-                    tokenizer: str | None = None) -> Path:
-    """Turn data.path into something open_dataset reads, preparing (once, cached) what needs preparing.
+                    tokenizer: str | None = None, options: PrepareOptions = PrepareOptions()) -> Path:
+    """Turn one data path into a prepared dataset directory or a Megatron prefix, preparing (once, cached) what
+    needs preparing.
 
     None: the default Shakespeare corpus. Text inputs are prepared into cache_dir keyed by their names,
     sizes and mtimes and by the tokenizer: data.tokenizer's content hash, or else a BPE of vocab_size.
-    A prepared directory is verified as a cached one is (sha256 of every file, token ids below its vocab)
+    A prepared directory is verified as a cached one is (sha256 of every file, token ids inside its vocab)
     and returned as it is; so is a Megatron prefix, unverified (it records no checksums).
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if path is None:
-        return prepare_default_corpus(cache_dir, vocab_size, tokenizer)
+        return prepare_default_corpus(cache_dir, vocab_size, tokenizer, options)
     candidate = Path(path).expanduser()
     if (candidate / MANIFEST_NAME).is_file():
         if tokenizer is not None:
@@ -58,8 +70,8 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
             raise DataError(f"data.tokenizer={tokenizer}: {prefix} is a Megatron dataset, tokenised already; "
                             "unset data.tokenizer")
         return prefix
-    if candidate.is_dir() or (candidate.is_file() and candidate.suffix in TEXT_SUFFIXES):
-        return prepare_cached_text_corpus(candidate, cache_dir, vocab_size, tokenizer)
+    if candidate.is_dir() or (candidate.is_file() and is_text_input(candidate)) or any(c in path for c in "*?["):
+        return prepare_cached_text_corpus(path, cache_dir, vocab_size, tokenizer, options)
     if not candidate.exists():
         raise FileNotFoundError(f"data path {path}: no such file or directory; expected {VALID_DATA_PATHS}")
     raise DataError(f"data path {path}: not a usable dataset; expected {VALID_DATA_PATHS}")
@@ -72,14 +84,83 @@ def check_prepared_with(dataset_dir: Path, tokenizer: GivenTokenizer) -> None:
                         f"({dataset_dir / TOKENIZER_NAME}); unset data.tokenizer or prepare the text again")
 
 
-def open_dataset(resolved: Path, split: str, vocab_size: int) -> TokenStream:
-    """Open one split of what resolve_dataset returned; the model's vocab must cover the dataset's."""
-    if (resolved / MANIFEST_NAME).is_file():
-        dataset: TokenStream = TokenDataset(resolved, split)
-    elif megatron_prefix(resolved) is not None:
-        dataset = MegatronTokenDataset(resolved, split, vocab_size)
+@dataclass(frozen=True)
+class BlendEntry:
+    weight: float
+    path: str | None  # None: the built-in Shakespeare corpus
+
+
+def parse_blend(blend, path: str | None) -> list[BlendEntry]:
+    """data.blend as entries, or data.path as a blend of one; one line naming the bad value otherwise."""
+    if blend is None:
+        return [BlendEntry(1.0, path)]
+    if path is not None:
+        raise DataError(f"data.path={path} and data.blend are both set; give one (a path is a blend of one)")
+    items = list(blend) if isinstance(blend, (list, tuple)) else None
+    if not items:
+        raise DataError(f"data.blend={reprlib.repr(blend)} must be {VALID_BLEND}")
+    if all(isinstance(item, dict) for item in items):
+        pairs = [(item.get("weight"), item.get("path")) for item in items]
+        if any(set(item) != {"weight", "path"} for item in items):
+            raise DataError(f"data.blend={reprlib.repr(blend)}: every entry needs exactly weight and path; "
+                            f"it must be {VALID_BLEND}")
+    elif len(items) % 2 == 0:
+        pairs = list(zip(items[0::2], items[1::2]))
     else:
-        raise DataError(f"data path {resolved}: not a usable dataset; expected {VALID_DATA_PATHS}")
-    if dataset.vocab_size > vocab_size:
-        raise DataError(f"{resolved} has vocab size {dataset.vocab_size}, more than the model's {vocab_size}")
-    return dataset
+        raise DataError(f"data.blend has {len(items)} items, an odd number; it must be {VALID_BLEND}")
+    entries = []
+    for weight, source in pairs:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"data.blend: weight {weight!r} (for {source}) must be a positive number; "
+                            f"data.blend must be {VALID_BLEND}")
+        if not isinstance(source, str) or not source:
+            raise DataError(f"data.blend: path {source!r} (weight {weight}) must be a non-empty string; "
+                            f"data.blend must be {VALID_BLEND}")
+        entries.append(BlendEntry(float(weight), source))
+    return entries
+
+
+@dataclass(frozen=True)
+class Source:
+    given: str                 # the path as the config names it
+    prefix: Path               # its Megatron prefix
+    weight: float
+    manifest: dict | None      # a prepared dataset's manifest; None for a Megatron prefix prepared elsewhere
+
+
+@dataclass(frozen=True)
+class Blend:
+    sources: tuple[Source, ...]
+    vocab_size: int            # the most ids any source uses (a Megatron prefix's is taken on trust)
+    eot_id: int | None         # None if a source is a Megatron prefix, which records none
+    tokenizer_file: Path | None
+
+    def describe(self) -> str:
+        return ", ".join(f"{source.weight:g} {source.given}" for source in self.sources)
+
+
+def resolve_blend(blend, path: str | None, cache_dir: str | Path | None, vocab_size: int, tokenizer: str | None,
+                  options: PrepareOptions = PrepareOptions()) -> Blend:
+    """Prepare or check every source of the blend, in order, with one tokenizer for all."""
+    sources, shared = [], tokenizer
+    for entry in parse_blend(blend, path):
+        resolved = resolve_dataset(entry.path, cache_dir, vocab_size, shared, options)
+        manifest = read_manifest(resolved) if (resolved / MANIFEST_NAME).is_file() else None
+        if manifest is not None and shared is None:
+            shared = str(resolved / TOKENIZER_NAME)  # the later sources are tokenised by this one's tokenizer
+        given = entry.path if entry.path is not None else "shakespeare"
+        prefix = dataset_prefix(resolved) if manifest is not None else resolved
+        sources.append(Source(given, prefix, entry.weight, manifest))
+    manifests = [source.manifest for source in sources if source.manifest is not None]
+    foreign = [source.given for source in sources if source.manifest is None]
+    if foreign and manifests and tokenizer is None:
+        raise DataError(f"data.blend mixes the Megatron prefix {foreign[0]}, whose tokenizer is not recorded, with "
+                        "data prepared here; set data.tokenizer to the tokenizer.json it was made with")
+    dataset_vocab = max((m["vocab_size"] for m in manifests), default=vocab_size)
+    if dataset_vocab > vocab_size:
+        raise DataError(f"data: the dataset vocab size is {dataset_vocab}, more than model.vocab_size={vocab_size}; "
+                        f"set model.vocab_size to at least {dataset_vocab}")
+    eot_ids = {m["eot_id"] for m in manifests}
+    eot_id = eot_ids.pop() if len(manifests) == len(sources) and len(eot_ids) == 1 else None
+    tokenizer_file = Path(shared) if manifests and shared is not None else None
+    return Blend(tuple(sources), dataset_vocab, eot_id, tokenizer_file)
