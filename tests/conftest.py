@@ -47,6 +47,15 @@ def fast_train_overrides(run_dir, dataset, steps=6, **extra):
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
+def train_in_process(overrides):
+    """One trainer run in this process, as trainer.main runs it."""
+    from parallel.dims import init_distributed
+    from trainer.config import load_config
+    from trainer.trainer import Trainer
+
+    return Trainer(load_config(overrides), init_distributed()).fit()
+
+
 def cli_error(capsys, main, argv) -> str:
     """The one `error: ...` line (exit code 2) that one of our key=value CLIs prints for `argv`."""
     with pytest.raises(SystemExit) as exit_info:

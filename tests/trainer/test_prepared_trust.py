@@ -1,12 +1,11 @@
 """A prepared dataset is verified as the cache verifies one, its manifest is schema-checked, and preparation
-streams its inputs, bounds BPE pre-tokens, clears what killed builds leave and writes through no link (issue 24)."""
+streams its inputs, bounds BPE pre-tokens, continues what a killed preparation left and writes through no link."""
 import hashlib
 import json
 import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 from contextlib import contextmanager
 
@@ -15,10 +14,10 @@ import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
 from json_mutations import dumps, mutated_bytes, mutated_documents
-from trainer.data import DataError, DatasetCorruptError, open_dataset, prepare_text_corpus, resolve_dataset
-from trainer.data import documents, prepare
+from trainer.data import DataError, DatasetCorruptError, prepare_text_corpus, resolve_blend, resolve_dataset
+from trainer.data import documents, prepare, shards
 from trainer.data.documents import Corpus, Piece
-from trainer.data.prepare import MAX_PRETOKEN_BYTES, bpe_pre_tokenizer, split_off_val, train_tokenizer
+from trainer.data.prepare import MAX_PRETOKEN_BYTES, bpe_pre_tokenizer, train_tokenizer
 
 GiB = 1 << 30
 
@@ -43,31 +42,31 @@ def rehash(dataset_dir, name):
 # A prepared directory as data.path is verified as a cached one is
 
 
-def test_prepared_directory_whose_train_bin_no_longer_matches_its_sha256_is_refused(tiny_dataset, tmp_path):
+def test_prepared_directory_whose_tokens_bin_no_longer_matches_its_sha256_is_refused(tiny_dataset, tmp_path):
     dataset = copy_of(tiny_dataset, tmp_path)
-    with open(dataset / "train.bin", "r+b") as f:
+    with open(dataset / "tokens.bin", "r+b") as f:
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(DatasetCorruptError) as error:
         resolve_dataset(str(dataset), cache_dir=tmp_path / "cache", vocab_size=512)
-    assert str(error.value) == (f"{dataset / 'train.bin'}: sha256 does not match manifest.json; "
+    assert str(error.value) == (f"{dataset / 'tokens.bin'}: sha256 does not match manifest.json; "
                                 f"delete {dataset} to rebuild it")
 
 
 def test_token_ids_at_or_above_the_vocab_are_refused_naming_the_first(tiny_dataset, tmp_path):
     dataset = copy_of(tiny_dataset, tmp_path)
     vocab_size = json.loads((dataset / "manifest.json").read_text())["vocab_size"]
-    tokens = np.memmap(dataset / "train.bin", dtype=np.uint16, mode="r+")
+    tokens = np.memmap(dataset / "tokens.bin", dtype=np.uint16, mode="r+")
     tokens[1234] = vocab_size
     tokens.flush()
     del tokens
-    rehash(dataset, "train.bin")
+    rehash(dataset, "tokens.bin")
     with pytest.raises(DatasetCorruptError) as error:
         resolve_dataset(str(dataset), cache_dir=tmp_path / "cache", vocab_size=512)
-    assert str(error.value) == (f"{dataset / 'train.bin'}: token 1234 is id {vocab_size}, not below "
-                                f"vocab_size={vocab_size} in manifest.json; delete {dataset} to rebuild it")
+    assert str(error.value) == (f"{dataset / 'tokens.bin'}: token 1234 is id {vocab_size}, not in [0, "
+                                f"vocab_size={vocab_size}) of manifest.json; delete {dataset} to rebuild it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,14 +74,16 @@ def test_token_ids_at_or_above_the_vocab_are_refused_naming_the_first(tiny_datas
 
 
 MANIFEST_DAMAGE = [
-    ("tokens.train", lambda m: m["tokens"].update(train="12"), "tokens.train='12' must be an integer >= 1"),
+    ("tokens", lambda m: m.update(tokens="12"), "tokens='12' must be an integer >= 1"),
+    ("idx_bytes", lambda m: m.pop("idx_bytes"), "no idx_bytes (it must be an integer >= 1)"),
     ("vocab_size", lambda m: m.update(vocab_size=2**45),
      f"vocab_size={2**45} must be an integer in [1, 65536] (uint16 ids)"),
     ("eot_id", lambda m: m.pop("eot_id"), "no eot_id (it must be an integer in [0, vocab_size={vocab_size}))"),
     ("sha256", lambda m: m.update(sha256={}),
-     "sha256={{}} must be an object holding exactly train.bin, val.bin, tokenizer.json"),
-    ("sha256.val.bin", lambda m: m["sha256"].update({"val.bin": 7}), "sha256.val.bin=7 must be 64 lowercase hex digits"),
-    ("dtype", lambda m: m.update(dtype="float32"), "dtype='float32' must be uint16 or uint32"),
+     "sha256={{}} must be an object holding exactly tokens.bin, tokens.idx, tokenizer.json"),
+    ("sha256.tokens.idx", lambda m: m["sha256"].update({"tokens.idx": 7}),
+     "sha256.tokens.idx=7 must be 64 lowercase hex digits"),
+    ("dtype", lambda m: m.update(dtype="float32"), "dtype='float32' must be uint16 or int32"),
     ("tokenizer", lambda m: m.update(tokenizer=[]), "tokenizer=[] must be an object whose kind is bpe or file"),
 ]
 
@@ -151,7 +152,7 @@ def test_a_txt_file_is_tokenised_in_pieces_with_the_tokens_of_the_whole(tmp_path
 
     dataset = prepare_text_corpus([tmp_path / "texts"], tmp_path / "prepared", 300)
     tokenizer = Tokenizer.from_file(str(dataset / "tokenizer.json"))
-    stream = np.concatenate([np.fromfile(dataset / f"{split}.bin", dtype=np.uint16) for split in ("train", "val")])
+    stream = np.fromfile(dataset / "tokens.bin", dtype=np.uint16)  # the documents' sequences, in order
     eot = tokenizer.token_to_id("<|endoftext|>")
     first_end = int(np.flatnonzero(stream == eot)[0])
     assert stream[:first_end].tolist() == tokenizer.encode(text, add_special_tokens=False).ids
@@ -175,30 +176,36 @@ def test_bpe_pre_tokens_of_a_long_run_without_whitespace_are_bounded():
 
 
 # ---------------------------------------------------------------------------------------------
-# A killed preparation's build directory is removed by the next one
+# kill -9 in the middle of a preparation: the next one continues it
 
 
-def test_the_build_directory_of_a_killed_preparation_is_removed_by_the_next(tmp_path):
+def test_a_preparation_killed_by_sigkill_is_continued_by_the_next(tmp_path):
     (tmp_path / "texts").mkdir()
-    (tmp_path / "texts" / "a.txt").write_text("the king speaks to the queen at night\n" * 50)
+    for name in ("a", "b", "c"):
+        (tmp_path / "texts" / f"{name}.txt").write_text(f"the king speaks to the queen of {name} at night\n" * 50)
     out = tmp_path / "out"
-    out.mkdir()
-    running = out / f".other.building-{socket.gethostname()}-{os.getpid()}-abcd1234"  # a live build: ours
-    running.mkdir()
     child = os.fork()
-    if child == 0:  # kill -9 in the middle of a build, after its directory is made
+    if child == 0:  # killed while tokenising its second file
         try:
-            prepare.TrainedBPE.make = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+            real, calls = shards.write_shard, []
+
+            def die_on_second(job, *args, **kwargs):
+                calls.append(job)
+                if len(calls) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(job, *args, **kwargs)
+
+            shards.write_shard = die_on_second
             prepare_text_corpus([tmp_path / "texts"], out / "prepared", 300)
         finally:
             os._exit(1)
     _, status = os.waitpid(child, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    left = [p for p in out.iterdir() if p != running]
-    assert len(left) == 1 and left[0].name.startswith(".prepared.building-")
-
+    partial = out / ".prepared.partial"
+    assert sorted(p.name for p in partial.iterdir()) == ["part-00000.bin", "part-00000.idx", "part-00000.json",
+                                                         "plan.json", "tokenizer.json"]
     prepare_text_corpus([tmp_path / "texts"], out / "prepared", 300)
-    assert sorted(p.name for p in out.iterdir()) == sorted(["prepared", running.name])
+    assert sorted(p.name for p in out.iterdir()) == ["prepared"]  # no partial, no lock file left
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,14 +226,13 @@ def test_prepared_files_replace_a_link_or_refuse_it_and_leave_its_target_alone(t
     tokenizer = prepare.TrainedBPE(300).make(corpus, build)
     assert not (build / "tokenizer.json").is_symlink()
     assert Tokenizer.from_file(str(build / "tokenizer.json")).to_str() == tokenizer.to_str()
-    (build / "train.bin").symlink_to(victim)
-    with pytest.raises(FileExistsError):
-        prepare.write_token_stream(tokenizer, corpus, build / "train.bin", np.dtype(np.uint16))
-    (build / "train.bin").unlink()
-    _, total = prepare.write_token_stream(tokenizer, corpus, build / "train.bin", np.dtype(np.uint16))
-    (build / "val.bin").symlink_to(victim)
-    with pytest.raises(FileExistsError):
-        split_off_val(build / "train.bin", build / "val.bin", np.dtype(np.uint16), total)
+    # A shard is written beside its final name and renamed over it: a link there is replaced, never written through.
+    for name in ("part.bin", "part.idx", "part.building.bin", "part.building.idx"):
+        (build / name).symlink_to(victim)
+    job = shards.ShardJob(shards.Part("test", corpus.total_bytes, read=corpus.read), build / "part",
+                          build / "tokenizer.json", "uint16", "stop")
+    assert shards.write_shard(job, tokenizer)["documents"] == 1
+    assert not (build / "part.bin").is_symlink() and not (build / "part.idx").is_symlink()
     assert victim.read_text() == "precious"
 
 
@@ -261,8 +267,8 @@ def test_randomly_damaged_manifests_are_one_line_or_a_usable_dataset(tiny_datase
     for what, document in cases:
         (dataset / "manifest.json").write_bytes(document if isinstance(document, bytes) else dumps(document))
         try:
-            resolved = resolve_dataset(str(dataset), cache_dir=tmp_path / "cache", vocab_size=512)
-            assert open_dataset(resolved, "train", 512).read(0, 8).shape == (8,), what
+            blend = resolve_blend(None, str(dataset), tmp_path / "cache", 512, None)
+            assert blend.sources[0].prefix == dataset / "tokens", what
             assert prepare_text_corpus([texts], dataset, 512) == dataset, what  # the cache's reuse reads more keys
             outcomes["opened"] += 1
         except DataError as error:

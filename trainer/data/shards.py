@@ -89,6 +89,7 @@ def write_shard(job: ShardJob, tokenizer: Tokenizer | None = None, on_bytes: Cal
     documents = sequences = tokens = 0
     start = time.monotonic()
     building = Path(f"{job.prefix}.building")
+    remove_links_or_leftovers(building)
     builder = megatron_datasets().IndexedDatasetBuilder(f"{building}.bin", dtype=dtype.type)
     try:
         for batch in document_batches(job.part.pieces(job.on_error, skipped), ENCODE_BATCH_BYTES):
@@ -148,8 +149,16 @@ def write_shards(jobs: list[ShardJob], workers: int, tokenizer: Tokenizer, total
     return [counts[i] for i in range(len(jobs))]
 
 
+def remove_links_or_leftovers(prefix: Path) -> None:
+    """megatron-core's builder opens PREFIX.bin and PREFIX.idx with open(): whatever is there (a file a killed
+    run left, or a link to somewhere else) is removed first, so nothing is written through a link."""
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
 def merge_shards(prefixes: list[Path], out_prefix: Path, dtype: str) -> None:
     """Concatenate the shards, in order, into OUT_PREFIX.bin/.idx (megatron-core's add_index)."""
+    remove_links_or_leftovers(out_prefix)
     builder = megatron_datasets().IndexedDatasetBuilder(f"{out_prefix}.bin", dtype=np.dtype(dtype).type)
     # add_index runs gc.collect() per shard, a quarter second each over torch's and megatron's objects;
     # frozen, they are not scanned.
