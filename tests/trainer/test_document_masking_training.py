@@ -14,7 +14,7 @@ from conftest import WORDS, fast_train_overrides, torchrun_runs
 from model.documents import document_starts
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config
-from trainer.data import prepare_text_corpus, val_batches
+from trainer.data import prepare_text_corpus
 from trainer.trainer import Trainer
 
 
@@ -39,8 +39,8 @@ def masked_trainer(run, dataset, **extra):
 def test_the_engine_masks_documents_in_the_step_and_in_evaluation(tmp_path, short_documents):
     trainer = masked_trainer(tmp_path / "run", short_documents)
     try:
-        eot = trainer.train_data.eot_id
-        (inputs, targets), = val_batches(trainer.val_data, 32, 2, 1)
+        eot = trainer.samples.blend.eot_id
+        (inputs, targets), = trainer.samples.val_batches(2, 1)
         starts = document_starts(inputs, eot)
         assert starts.any(dim=1).all()  # every row holds a later document
         model = trainer.model

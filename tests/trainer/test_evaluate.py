@@ -18,7 +18,7 @@ from conftest import cli_error, fast_train_overrides
 from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.config import load_config
-from trainer.data.format import read_manifest, split_path
+from trainer.data.format import read_manifest
 from trainer.evaluate import main
 from trainer.export import export
 from trainer.generate import GenerateError
@@ -151,10 +151,20 @@ def test_registering_attnres_leaves_lm_evals_own_models():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def valid_split_stream(dataset: Path) -> np.ndarray:
+    """The tokens of the valid split of data.split=98,2,0 for tiny_dataset's 30 documents: its last one
+    (Megatron gives valid the documents from round(0.98 * 30) = 29 on), read from tokens.bin up to its EOT."""
+    manifest = read_manifest(dataset)
+    stream = np.fromfile(dataset / "tokens.bin", dtype=manifest["dtype"]).astype(np.int64)
+    ends = np.flatnonzero(stream == manifest["eot_id"])
+    assert len(ends) == 30
+    return stream[ends[-2] + 1:]
+
+
 @torch.no_grad()
 def val_loss_reference(model, dataset: Path) -> float:
-    """Mean loss over every consecutive window of SEQ_LEN predictions of the val split, read from val.bin."""
-    stream = np.fromfile(split_path(dataset, "val"), dtype=read_manifest(dataset)["dtype"]).astype(np.int64)
+    """Mean loss over every consecutive window of SEQ_LEN predictions of the valid split."""
+    stream = valid_split_stream(dataset)
     windows = torch.from_numpy(stream[:(len(stream) - 1) // SEQ_LEN * SEQ_LEN + 1])
     inputs = windows[:-1].view(-1, SEQ_LEN)  # (W, T)
     targets = windows[1:].view(-1, SEQ_LEN)  # (W, T)
@@ -179,7 +189,7 @@ def test_evaluate_writes_local_tasks_and_perplexity(export_dir, tiny_dataset, lm
     assert measured["perplexity"] == pytest.approx(math.exp(measured["loss"]))
     assert measured["loss"] == pytest.approx(val_loss_reference(lm.model, tiny_dataset), rel=1e-5)
     assert measured["bits_per_byte"] > 0 and measured["bytes"] > 0
-    assert measured["tokens"] == (read_manifest(tiny_dataset)["tokens"]["val"] - 1) // SEQ_LEN * SEQ_LEN
+    assert measured["tokens"] == (len(valid_split_stream(tiny_dataset)) - 1) // SEQ_LEN * SEQ_LEN
     assert "attnres_mc_words" in printed and f"wrote {out}" in printed
 
 

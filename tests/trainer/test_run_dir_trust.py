@@ -215,7 +215,7 @@ def fresh_trainer(tmp_path_factory, tiny_dataset):
 @pytest.mark.parametrize("change, problem", [
     (lambda e: e.update(step="x"), "has step 'x'; the checkpoint is of step 6"),
     (lambda e: e.pop("sampler"), "has no usable sampler state; expected integers >= 0 for consumed_samples, "
-                                 "seed, seq_len, num_windows"),
+                                 "seed, seq_len, pass_samples"),
     (lambda e: e["sampler"].update(consumed_samples=-4), "has no usable sampler state"),
     (lambda e: e["rng"].update(torch="AAAA"), "has an unusable rng state (RuntimeError: "),
     (lambda e: e["rng"].pop("numpy"), "has an unusable rng state (KeyError: 'numpy')"),
