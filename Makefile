@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train compare bench clean
+.PHONY: setup test train compare bench corpus clean
 
 setup: $(STAMP)
 
@@ -50,3 +50,9 @@ compare: setup
 
 bench: setup
 	$(PY) -m scripts.bench_step
+
+# `make corpus`: the larger real corpus (Shakespeare, the Python standard library, Debian's King James Bible
+# and GCIDE dictionary; about 50 MB of text) prepared as a weighted blend with one BPE; it prints the
+# data.blend override that trains on it. make train keeps its Shakespeare default.
+corpus: setup
+	$(PY) -m scripts.corpus $(CORPUS_ARGS)

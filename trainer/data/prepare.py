@@ -281,9 +281,10 @@ def build_dataset(out_dir: Path, corpus: Corpus, parts: list[Part], choice: Trai
             if continuing:
                 log(f"continuing a preparation that stopped: {len(finished)} of {len(jobs)} files already tokenised")
             pending = [job for i, job in enumerate(jobs) if i not in finished]
-            log(f"tokenising {len(pending)} files ({sum(job.part.size for job in pending) / 1e6:.1f} MB) on "
-                f"{min(options.workers, max(len(pending), 1))} processes, one thread each"
-                if options.workers > 1 else f"tokenising {len(pending)} files on {encode_threads()}")
+            megabytes = sum(job.part.size for job in pending) / 1e6
+            log(f"tokenising {len(pending)} files ({megabytes:.1f} MB) on {min(options.workers, len(pending))} "
+                "processes, one thread each" if options.workers > 1 and len(pending) > 1
+                else f"tokenising {len(pending)} files ({megabytes:.1f} MB) on {encode_threads()}")
             written = iter(write_shards(pending, options.workers, tokenizer, sum(p.size for p in parts),
                                         sum(jobs[i].part.size for i in finished)))
             counts = [finished[i] if i in finished else next(written) for i in range(len(jobs))]

@@ -133,14 +133,17 @@ def write_shards(jobs: list[ShardJob], workers: int, tokenizer: Tokenizer, total
     counts: dict[int, dict] = {}
     with closing(Progress(total_bytes, "tokenising")) as bar:
         bar.update(done_bytes, 0)
-        in_process = [i for i, job in enumerate(jobs) if workers == 1 or job.part.path is None]
+        files = [i for i, job in enumerate(jobs) if job.part.path is not None]
+        # One file gains nothing from another process: it is tokenised here, on every core.
+        in_process = [i for i, job in enumerate(jobs) if workers == 1 or len(files) < 2 or job.part.path is None]
         for i in in_process:
             counts[i] = write_shard(jobs[i], tokenizer, on_bytes=lambda n: bar.update(n, 0))
             bar.update(0, counts[i]["documents"])
         remote = [i for i in range(len(jobs)) if i not in counts]
         if remote:
             # spawn, not fork: the parent's tokenizers thread pool does not survive a fork.
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_serial_worker) as pool:
+            with ProcessPoolExecutor(min(workers, len(remote)), mp_context=get_context("spawn"),
+                                     initializer=_serial_worker) as pool:
                 futures = {pool.submit(write_shard, jobs[i]): i for i in remote}
                 for future in as_completed(futures):
                     i = futures[future]
