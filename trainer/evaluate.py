@@ -13,9 +13,10 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
                     network: attnres_local, the group of attnres_mc_words (multiple choice) and
                     attnres_gen_words (generation). lm_eval's own (hellaswag, arc_easy, mmlu, ...; listed by
                     `lm-eval ls tasks`) download their data on first use, so they need a connected machine
-  perplexity=       prepared dataset directories (the data layer's: manifest.json, val.bin, tokenizer.json),
+  perplexity=       prepared dataset directories (the data layer's: manifest.json, tokens.bin/.idx, tokenizer.json),
                     comma-separated, tokenised with the export's tokenizer: loss (nats/token), perplexity and
-                    bits per byte over each val split, in windows of the trained context (train.seq_len)
+                    bits per byte over each one's valid split (the run's data.split), in samples of the trained
+                    context (train.seq_len)
   out=              write the results JSON here (a temporary file renamed into place); without it only the
                     table is printed
   limit=            at most this many examples per task (a fraction below 1: that share of each); empty: all

