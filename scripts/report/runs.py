@@ -30,9 +30,11 @@ EVAL_FILE = "eval.json"
 VARIANT_ORDER = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
-# Recipe fields a comparison may vary on purpose (learning-rate sweeps, the old-initialisation control).
-RECIPE = {"lr": lambda cfg: cfg.optim.lr, "init": lambda cfg: cfg.model.init,
-          "bias_rate": lambda cfg: cfg.model.moe.bias_update_rate}
+# Recipe fields a comparison may vary on purpose (learning-rate sweeps, the optimizer, the old-initialisation
+# control). Muon's learning rate means nothing to an AdamW run, so it has none ("-").
+RECIPE = {"lr": lambda cfg: cfg.optim.lr, "optim": lambda cfg: cfg.optim.name,
+          "muon_lr": lambda cfg: cfg.optim.muon_lr if cfg.optim.name == "muon" else "-",
+          "init": lambda cfg: cfg.model.init, "bias_rate": lambda cfg: cfg.model.moe.bias_update_rate}
 
 
 def read_jsonl(path: Path, problem=lambda row: None) -> list[dict]:

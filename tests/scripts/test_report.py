@@ -119,6 +119,20 @@ def test_report_draws_the_lr_sweep_with_each_variants_best(tmp_path, tiny_runs):
     assert text.count(f"| {diff * 1.05:+.4f} |") == 1 and text.count(f"| {diff * 1.02:+.4f} |") == 1
 
 
+def test_runs_that_differ_in_optimizer_or_muon_lr_are_rows_of_their_own(tmp_path, tiny_runs):
+    """A Muon learning-rate sweep with its AdamW control: one row per (optimizer, muon_lr), not one pooled row."""
+    source = tiny_runs["baseline"]
+    runs = [edited_copy(source, tmp_path / "adamw-s0", {}),
+            *(edited_copy(source, tmp_path / f"muon{lr:g}-s0", {"optim.name": "muon", "optim.muon_lr": lr},
+                          loss_scale=scale) for lr, scale in ((0.01, 0.99), (0.02, 0.98)))]
+    text = build_report(runs, tmp_path / "report", "muon sweep").read_text()
+    base = final_val_loss(source)
+    for setting, loss in (("xs optim=adamw muon_lr=-", base), ("xs optim=muon muon_lr=0.01", base * 0.99),
+                          ("xs optim=muon muon_lr=0.02", base * 0.98)):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {setting} | baseline |"))
+        assert f"| {loss:.4f} |" in row, row
+
+
 def seeded_copies(tiny_runs, tmp_path, one_block_scale: float) -> list:
     """Baseline and one-block (S = 8 = L at xs) runs at seeds 0 and 1 with a known spread."""
     runs = []
