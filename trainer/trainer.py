@@ -168,10 +168,13 @@ class Trainer:
 
     def _open_data(self) -> None:
         cfg = self.cfg
-        if self.info.is_main:  # prepare once; the other ranks then find it in the cache
-            open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
+        # Prepared (and its files hashed) once, on rank 0; the other ranks then find it in the cache.
+        def open_data():
+            return open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
+
+        samples = open_data() if self.info.is_main else None
         barrier()
-        self.samples = open_samples(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.seed)
+        self.samples = samples if samples is not None else open_data()
         self.tokenizer_file = self.samples.blend.tokenizer_file
         self.samples.build_for_run(cfg.train.steps, cfg.train.global_batch)  # on every rank at once: collective
 

@@ -109,8 +109,7 @@ def write_shard(job: ShardJob, tokenizer: Tokenizer | None = None, on_bytes: Cal
         builder.finalize(f"{building}.idx")
     except BaseException:
         builder.data_file.close()
-        for suffix in (".bin", ".idx"):
-            Path(f"{building}{suffix}").unlink(missing_ok=True)
+        remove_links_or_leftovers(building)
         raise
     for suffix in (".bin", ".idx"):
         os.replace(f"{building}{suffix}", f"{job.prefix}{suffix}")
