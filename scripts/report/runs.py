@@ -140,11 +140,18 @@ def _shape(model: ModelConfig) -> dict:
 
 
 def size_name(model: ModelConfig) -> str:
-    """The configs/model/ name with this shape (xs, s, ...), else d<width>xL<blocks>."""
+    """The configs/model/ name with this shape (xs, s, ...), else d<width>xL<blocks>. A known shape with another
+    count of dense blocks is that name plus 'dense' (every block dense: the dense-vs-MoE control) or
+    'n_dense_layers=K'."""
+    shape = _shape(model)
     for path in sorted((CONFIG_DIR / "model").glob("*.yaml")):
-        known = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
-        if _shape(known) == _shape(model):
+        known = _shape(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                           OmegaConf.load(path))))
+        if known == shape:
             return path.stem
+        if known == {**shape, "n_dense_layers": known["n_dense_layers"]}:
+            dense = model.n_dense_layers
+            return f"{path.stem} " + ("dense" if dense == model.n_blocks else f"n_dense_layers={dense}")
     return f"d{model.d_model}xL{model.n_blocks}"
 
 

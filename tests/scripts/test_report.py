@@ -133,6 +133,19 @@ def test_runs_that_differ_in_optimizer_or_muon_lr_are_rows_of_their_own(tmp_path
         assert f"| {loss:.4f} |" in row, row
 
 
+def test_dense_runs_are_a_setting_of_their_own_named_after_their_size(tmp_path, tiny_runs):
+    """The dense-vs-MoE control: an xs run with every block dense is `xs dense`, compared with its own baseline."""
+    source = tiny_runs["baseline"]
+    runs = [edited_copy(source, tmp_path / "moe-s0", {}),
+            edited_copy(source, tmp_path / "dense-s0", {"model.n_dense_layers": 4}, loss_scale=1.01),
+            edited_copy(source, tmp_path / "two-dense-s0", {"model.n_dense_layers": 2}, loss_scale=1.02)]
+    text = build_report(runs, tmp_path / "report", "dense").read_text()
+    base = final_val_loss(source)
+    for setting, loss in (("xs", base), ("xs dense", base * 1.01), ("xs n_dense_layers=2", base * 1.02)):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {setting} | baseline |"))
+        assert f"| {loss:.4f} |" in row, row
+
+
 def seeded_copies(tiny_runs, tmp_path, one_block_scale: float) -> list:
     """Baseline and one-block (S = 8 = L at xs) runs at seeds 0 and 1 with a known spread."""
     runs = []
