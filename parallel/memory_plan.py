@@ -11,7 +11,7 @@ Bytes per parameter (what the code does):
   FSDP2 (parallel/fsdp.py): the fp32 sharded weights, grads and AdamW state (16 / fsdp); transient:
     the largest unit all-gathered (in the precision: bf16 or fp32) twice (prefetch) plus its unsharded fp32
     gradient before the reduce-scatter. Under ep the routed experts' ep slices stay out of fully_shard
-    (16 per parameter, bf16 autocast copies 2). Under pp (shard_pipeline_chunks) parameters stay
+    (16 per parameter, bf16 autocast copies 2). Under pp (each chunk an FSDP root) parameters stay
     gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
     whole stage gathered plus its unsharded fp32 gradients for the step. On CPU, gloo's all-gather and
     reduce-scatter each stage a full-size copy (measured: +160 MiB for a 160 MiB collective, either

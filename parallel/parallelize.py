@@ -1,13 +1,18 @@
 """The one place that knows both the model and the parallel layout.
 
+`parallelize` shards a model in torchtitan's order: tensor + sequence parallelism (tp) and expert
+parallelism (ep) slice its parameters in place, then FSDP2 (parallel/fsdp.py) shards what each rank
+holds over the fsdp ranks, with the whole model as its root (pp == 1) or each of this rank's pipeline
+chunks. `materialise_parallel` wraps it for every layout: a model on the meta device is sharded there
+and then filled from an unsharded meta copy one init unit at a time, so a rank allocates only its part.
+
 An engine runs one step's forward and backward over this rank's micro-batches, evaluates, clips
-gradients and keeps MoE balancing consistent, whatever the layout: DDP when pp == 1, the pipeline
-schedule (with the cross-stage block cache) when pp > 1; tensor + sequence parallelism (tp) and expert
-parallelism (ep) shard the model first; FSDP2 (parallel/fsdp.py) shards it when fsdp > 1.
-`engine.model` is this rank's Decoder (all of it, or the parts its pipeline chunks run, with its
-tp/ep slices or FSDP's DTensor shards): the optimizer and checkpoints use it, its parameter names are
-the single-process names in every layout, and `engine.shards` says which parameters are tp/ep slices
-of larger ones.
+gradients and keeps MoE balancing consistent: DataParallelEngine when pp == 1 (DDP over the data ranks,
+or FSDP2's own reduce-scatter when fsdp > 1), PipelineEngine when pp > 1 (the pipeline schedule with the
+cross-stage block cache). `engine.model` is this rank's Decoder (all of it, or the parts its pipeline
+chunks run, with its tp/ep slices and FSDP's DTensor shards): the optimizer and checkpoints use it, its
+parameter names are the single-process names in every layout, and `engine.shards` says which parameters
+are tp/ep slices of larger ones.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,6 +35,7 @@ from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
 from parallel.fill import fill_shards
+from parallel.fsdp import apply_fsdp
 from parallel.tensor import Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads
 
 
@@ -63,19 +70,34 @@ def shard_model(model: Decoder, layout: Layout) -> Shards:
     return shards
 
 
-def materialise_and_shard(model: Decoder, info: DistInfo, layout: Layout, seed: int) -> Shards:
-    """Split the model for tp and ep and give it its initial weights on the device. A model wholly on
-    the meta device is sliced there first, then filled from an unsliced meta copy one init unit at a
-    time (parallel.fill), so the host never holds more than one unit beyond this rank's slices; a model
-    already (partly) built is completed on the host (model.init.materialise) and sliced as it is."""
-    if all(p.is_meta for p in model.parameters()):
-        template = copy.deepcopy(model)  # meta: costs nothing
-        shards = shard_model(model, layout)
-        model.to_empty(device=info.device)
-        fill_shards(model, template, seed, slice_of=functools.partial(shards.local_slice, layout=layout))
-        return shards
-    materialise(model, "cpu", model.cfg.init_stds, seed)
-    return shard_model(model, layout)
+def parallelize(model: Decoder, layout: Layout, precision: torch.dtype,
+                fsdp_roots: list[nn.Module] | None = None) -> Shards:
+    """tp, then ep, then FSDP2 over `fsdp_roots` (default: the whole model; under pp, this rank's
+    chunks, which keep their parameters gathered from a microbatch's forward to its backward). The ep
+    slices of the routed experts stay out of FSDP: their ranks already split them, and their gradients
+    are averaged over the ranks holding the same experts (finish_gradients)."""
+    shards = shard_model(model, layout)
+    if layout.fsdp > 1:
+        experts = set(expert_param_names(shards))
+        ignored = {p for name, p in model.named_parameters() if name in experts}
+        apply_fsdp(fsdp_roots or [model], layout, precision, ignored, reshard_after_forward=fsdp_roots is None)
+    return shards
+
+
+def materialise_parallel(model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype,
+                         fsdp_roots: list[nn.Module] | None = None) -> Shards:
+    """Parallelize `model` and give it its initial weights on the device. A model wholly on the meta
+    device is sharded there first, then filled from an unsharded meta copy one init unit at a time
+    (parallel.fill), so the host never holds more than one unit beyond this rank's shards; a model
+    already (partly) built is completed on the host (model.init.materialise) and sharded as it is."""
+    if not all(p.is_meta for p in model.parameters()):
+        materialise(model, "cpu", model.cfg.init_stds, seed)
+        return parallelize(model.to(info.device), layout, precision, fsdp_roots)
+    template = copy.deepcopy(model)  # meta: costs nothing
+    shards = parallelize(model, layout, precision, fsdp_roots)
+    model.to_empty(device=info.device)
+    fill_shards(model, template, seed, slice_of=functools.partial(shards.local_slice, layout=layout))
+    return shards
 
 
 def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged: bool) -> None:
@@ -93,10 +115,14 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
 
 
 class DataParallelEngine:
-    """pp == 1, fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. `wrapped` is what
-    runs the forward; `grads_dp_averaged`: the backward averages gradients over the data ranks itself;
-    `lockstep`: a forward talks to other data ranks, so evaluation keeps every rank running;
-    `document_boundary`: the end-of-text id with document masking (build_engine), None without."""
+    """pp == 1. fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. fsdp > 1: the
+    fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
+    DTensors; FSDP's reduce-scatter averages gradients over the data ranks, and under tp it shards each
+    rank's tp slices over the fsdp ranks of its tp index. `wrapped` is what runs the forward;
+    `grads_dp_averaged`: the backward averages gradients over the data ranks itself; `lockstep`: a
+    forward talks to other data ranks (FSDP's all-gathers, the experts' all-to-all), so evaluation keeps
+    every rank running; `document_boundary`: the end-of-text id with document masking (build_engine),
+    None without."""
 
     document_boundary: int | None = None
 
@@ -104,13 +130,12 @@ class DataParallelEngine:
         """(B, T) starts of the whole sequence: under tp the token mixers see it whole, not this rank's slice."""
         return None if self.document_boundary is None else document_starts(inputs, self.document_boundary)
 
-    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int):
+    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
         self.info, self.layout = info, layout
-        self.shards = materialise_and_shard(model, info, layout, seed)
-        self.model = model.to(info.device)
-        self.wrapped = model
-        self.lockstep = layout.ep > 1
-        if layout.dp > 1:
+        self.shards = materialise_parallel(model, info, layout, seed, precision)
+        self.model = self.wrapped = model
+        self.lockstep = layout.ep > 1 or layout.fsdp > 1
+        if layout.dp > 1 and layout.fsdp == 1:
             # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
             # forward: the MoE bias moves the same way everywhere, and syncing would overwrite the
             # per-rank expert load counts between micro-batches.
@@ -119,7 +144,7 @@ class DataParallelEngine:
             # are already there), so the CPU tests run the same construction as a GPU job.
             self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_group,
                                                    forward_sync_buffers=False)
-        self.grads_dp_averaged = self.wrapped is not self.model
+        self.grads_dp_averaged = self.wrapped is not self.model or layout.fsdp > 1
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """Mean loss of the step over all tokens of all ranks. Under tp every rank runs its slice of
@@ -177,27 +202,19 @@ class PipelineEngine:
         self.microbatches = microbatches
         # Pruned while still on meta: this rank never allocates the other stages' weights.
         keep_rank_parts(model, self.plan, layout.pp_rank)
-        shard_chunks = None
-        if layout.fsdp > 1:  # the chunks are sharded on meta, then filled shard by shard
-            from parallel.fsdp import shard_pipeline_chunks
-
-            self.shards = Shards(mesh=layout.mesh)
-            on_meta = any(p.is_meta for p in model.parameters())
-            shard_chunks = functools.partial(shard_pipeline_chunks, rank_model=model,
-                                             template=copy.deepcopy(model) if on_meta else None,
-                                             layout=layout, device=info.device, precision=precision, seed=seed)
-        else:
-            self.shards = materialise_and_shard(model, info, layout, seed)
-            model = model.to(info.device)
         # The stages' messages travel in the residual stream's dtype, the embedding's: FSDP's gathered
         # parameter dtype, else the parameters' own (autocast leaves the embedding in fp32).
         stream_dtype = precision if layout.fsdp > 1 else next(model.parameters()).dtype
+
+        def parallelize_chunks(chunks):  # the runner builds the chunks, then its stages around them
+            self.shards = materialise_parallel(model, info, layout, seed, precision, fsdp_roots=chunks)
+
         # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
         tp = layout.tp
         self.runner = PipelineRunner(model, self.plan, layout.pp_rank, layout.pp_group,
                                      info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len // tp,
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp,
-                                     shard_chunks=shard_chunks, message_dtype=stream_dtype)
+                                     parallelize_chunks=parallelize_chunks, message_dtype=stream_dtype)
         self.model = self.runner.rank_model
         # Ranks whose forwards talk across data ranks (FSDP's all-gathers, the experts' all-to-all)
         # evaluate in lockstep.
@@ -256,14 +273,9 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     if document_boundary is not None and layout.pp > 1:
         raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
-    if layout.fsdp > 1 and layout.pp == 1:
-        from parallel.fsdp import FullyShardedEngine
-
-        engine = FullyShardedEngine(model, info, layout, seed, precision)
-    elif layout.pp == 1:
-        engine = DataParallelEngine(model, info, layout, seed)
-    else:
+    if layout.pp > 1:
         return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
+    engine = DataParallelEngine(model, info, layout, seed, precision)
     engine.document_boundary = document_boundary
     return engine
 

@@ -1,5 +1,5 @@
 """Host memory while one tp/ep rank gets its initial weights: sliced on meta and filled one init unit at
-a time (parallel.parallelize.materialise_and_shard, what every layout does) vs built whole on the host
+a time (parallel.parallelize.materialise_parallel, what every layout does) vs built whole on the host
 and sliced afterwards (what it did before).
 
 Each measurement is a fresh process (ru_maxrss is a per-process high-water mark) that first
@@ -30,13 +30,13 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
     from model import build_model
     from model.init import materialise
     from parallel.dims import DistInfo, Layout
-    from parallel.parallelize import materialise_and_shard, shard_model
+    from parallel.parallelize import materialise_parallel, shard_model
     from trainer.config import load_config
 
     layout = Layout(tp=tp, ep=ep)  # rank 0 of each group; no process group is needed to slice
     info = DistInfo(0, 1, 0, torch.device("cpu"), None)
     warm_up = build_model(load_config(["model=xs"]), device="meta")
-    materialise_and_shard(warm_up, info, Layout(tp=tp), seed=0)  # model=xs has too few experts for ep=8
+    materialise_parallel(warm_up, info, Layout(tp=tp), 0, torch.float32)  # model=xs has too few experts for ep=8
     del warm_up
 
     model = build_model(load_config([f"model={model_name}", "variant=block"]), device="meta")
@@ -45,7 +45,7 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
     with open("/proc/self/statm") as statm:
         before = int(statm.read().split()[1]) * page
     if mode == "sliced":
-        materialise_and_shard(model, info, layout, seed=0)
+        materialise_parallel(model, info, layout, 0, torch.float32)
     else:
         materialise(model, "cpu", model.cfg.init_stds, 0)
         shard_model(model, layout)

@@ -299,10 +299,6 @@ def check_values(cfg: Config) -> Config:
             raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
                               "whole sequences and is not supported with parallel.tp > 1; set it to 0")
     if p.fsdp > 1:
-        composed = [f"parallel.{key}={getattr(p, key)}" for key in ("pp", "tp", "ep") if getattr(p, key) > 1]
-        if len(composed) > 1:
-            raise ConfigError(f"parallel.fsdp={p.fsdp} with {' and '.join(composed)} is not composed yet; "
-                              "fsdp combines with dp (replicas, HSDP) and with one of pp, tp or ep")
         if cfg.optim.name == "muon":
             raise ConfigError(f"optim=muon with parallel.fsdp={p.fsdp} is not supported: Muon orthogonalises whole "
                               "matrices and fsdp ranks hold row shards; use optim=adamw")

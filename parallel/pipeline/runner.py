@@ -38,18 +38,18 @@ def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder
 
 class PipelineRunner:
     def __init__(self, model: Decoder, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
-                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn, shard_chunks=None,
+                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn, parallelize_chunks=None,
                  message_dtype: torch.dtype | None = None):
-        """`shard_chunks(chunks)`, if given, wraps the chunk modules (FSDP2) and materialises them before
-        the stages are built around them. `message_dtype`: what the stages send (the residual stream's
-        dtype; None: the parameters')."""
+        """`parallelize_chunks(chunks)`, if given, shards the chunk modules (tp, ep, FSDP2) and materialises
+        them before the stages are built around them. `message_dtype`: what the stages send (the residual
+        stream's dtype; None: the parameters')."""
         self.plan, self.pp_rank, self.pp_group = plan, pp_rank, pp_group
         self.rank_model = keep_rank_parts(model, plan, pp_rank)
         dtype = message_dtype or next(self.rank_model.parameters()).dtype
         self.cache = DepthCache()
         self.chunks = [PipelineChunk(self.rank_model, plan, c, self.cache, dtype) for c in plan.chunks_of(pp_rank)]
-        if shard_chunks is not None:
-            shard_chunks(self.chunks)
+        if parallelize_chunks is not None:
+            parallelize_chunks(self.chunks)
         stages = [CachingPipelineStage(chunk, chunk.chunk, plan.n_chunks, device,
                                        input_args=self._example_inputs(chunk.chunk, micro_batch, seq_len, device, dtype),
                                        output_args=self._example_outputs(chunk.chunk, micro_batch, seq_len, device, dtype),

@@ -147,7 +147,8 @@ def run_case(case: dict, info: DistInfo) -> dict:
     result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm),
                            float(load_error), init_error, relative_error(grads, reference_grads)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    units = [[block.index for block in unit] for unit in fsdp.shard_units(engine.model)]
+    units = [[block.index for block in unit]
+             for unit in fsdp.read_block_units(list(engine.model.layers.values()), engine.model.mixer)]
     sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
             "worst_param": worst_name, "grad_norm": grad_norm, "grad_norm_error": result[2].item(),
@@ -207,14 +208,14 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
 def cut_read_blocks_control(info: DistInfo) -> dict:
     """Negative control: one unit per transformer block although the two-phase read batches the queries
     of an AttnRes block of 4 sublayers (2 transformer blocks)."""
-    original = fsdp.shard_units
-    fsdp.shard_units = lambda model: [[block] for block in model.layers.values()]
+    original = fsdp.read_block_units
+    fsdp.read_block_units = lambda blocks, mixer: [[block] for block in blocks]
     try:
         return run_case({"dp": info.world_size // 2, "fsdp": 2, "variant": "block", "block_size": 4}, info)
     except Exception as error:  # noqa: BLE001 - what the cut does is the result
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     finally:
-        fsdp.shard_units = original
+        fsdp.read_block_units = original
 
 
 def memory(info: DistInfo) -> dict:

@@ -170,14 +170,10 @@ def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, 
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["parallel=fsdp2", "parallel.pp=2", "parallel.ep=2"],
-     "parallel.fsdp=2 with parallel.pp=2 and parallel.ep=2 is not composed yet"),
-    (["parallel=fsdp2", "parallel.tp=2", "parallel.ep=2"],
-     "parallel.fsdp=2 with parallel.tp=2 and parallel.ep=2 is not composed yet"),
     (["parallel=fsdp2", "optim=muon"], "optim=muon with parallel.fsdp=2 is not supported"),
     (["parallel.fsdp=0"], "parallel.fsdp=0 must be positive"),
 ])
-def test_fsdp_layouts_not_composed_yet_are_refused_in_one_line(overrides, fragment):
+def test_fsdp_settings_it_does_not_support_are_refused_in_one_line(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment) as error:
         load_config(overrides)
     assert "\n" not in str(error.value)
@@ -207,6 +203,35 @@ COMPOSED = {  # 4-rank layouts and the settings each needs
     "fsdp2_ep2": {"train.micro_batch": 1},
     "fsdp2_tp2": {},
 }
+COMPOSED_8 = {  # fsdp with two of pp, tp and ep (ep is carved out of dp, so it needs 2 replicas)
+    "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
+    "dp2_fsdp2_tp2_ep2": {"train.micro_batch": 1},
+    "fsdp2_pp2_tp2": {"train.micro_batch": 1},
+}
+
+
+def composed_runs(settings: dict, tmp_path, dataset) -> list[list[str]]:
+    """Per layout: one process straight through and stopped after 3 steps (here), and the two runs for
+    the launch: the layout stopped after 3 steps, and the layout resuming one process's checkpoint."""
+    runs = []
+    for layout, extra in settings.items():
+        single(tmp_path / layout / "straight", dataset, **extra)
+        single(tmp_path / layout / "single_first", dataset, **extra, **{"train.stop_after": 3})
+        runs += [fast_train_overrides(tmp_path / layout / "mesh_first", dataset, steps=4, parallel=layout,
+                                      **extra, **{"train.stop_after": 3}),
+                 fast_train_overrides(tmp_path / layout / "single_first", dataset, steps=4, parallel=layout,
+                                      **extra)]
+    return runs
+
+
+def assert_composed_like_one_process(settings: dict, tmp_path, dataset) -> None:
+    """The layout's run resumed in one process, and one process's run resumed under the layout, both
+    have one process's losses, gradient norms and validation loss (rel 1e-5)."""
+    for layout, extra in settings.items():
+        single(tmp_path / layout / "mesh_first", dataset, **extra)
+        reference = metrics(tmp_path / layout / "straight")
+        for run in ("mesh_first", "single_first"):
+            assert_like_reference(tmp_path / layout / run, reference)
 
 
 def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
@@ -225,15 +250,9 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     straight_hsdp, hsdp = tmp_path / "straight_hsdp", tmp_path / "hsdp"
     Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **one_each)),
             init_distributed()).fit()
-    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each)]
     settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED.items()}  # norms 1.4-3.3
-    for layout, extra in settings.items():
-        single(tmp_path / layout / "straight", tiny_dataset, **extra)
-        single(tmp_path / layout / "single_first", tiny_dataset, **extra, **{"train.stop_after": 3})
-        runs += [fast_train_overrides(tmp_path / layout / "mesh_first", tiny_dataset, steps=4, parallel=layout,
-                                      **extra, **{"train.stop_after": 3}),
-                 fast_train_overrides(tmp_path / layout / "single_first", tiny_dataset, steps=4, parallel=layout,
-                                      **extra)]
+    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each),
+            *composed_runs(settings, tmp_path, tiny_dataset)]
     result = torchrun_runs(runs, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -244,9 +263,17 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
             assert value == pytest.approx(reference[key][step], rel=1e-5), ("hsdp", key, step)
     # 2 validation batches over 4 data ranks: ranks 2 and 3 run a forward for the shards' sake and count nothing
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
+    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
 
-    for layout, extra in settings.items():
-        single(tmp_path / layout / "mesh_first", tiny_dataset, **extra)
-        reference = metrics(tmp_path / layout / "straight")
-        for run in ("mesh_first", "single_first"):
-            assert_like_reference(tmp_path / layout / run, reference)
+
+def test_eight_rank_fsdp_compositions_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
+    """fsdp with two of pp, tp and ep, in one 8-rank torchrun launch, as the planner recommends them for
+    kimi_linear_48b (dpN_fsdp2_pp2_epN, dpN_fsdp2_tp2_epN): dp2_fsdp2_pp2_ep2 (HSDP pipeline chunks with
+    ep slices of the experts left out of fully_shard, cross-stage cache on), dp2_fsdp2_tp2_ep2 (HSDP over
+    each rank's tp slices, experts split over the replicas), fsdp2_pp2_tp2 (each stage's tp slices
+    FSDP2-sharded). Each trains 3 steps and resumes both ways from one process with one process's
+    losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
+    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_8.items()}
+    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)

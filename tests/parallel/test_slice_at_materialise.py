@@ -1,5 +1,5 @@
 """Under tp/ep a model built on the meta device is sliced before any weight exists
-(parallel.parallelize.materialise_and_shard): each rank's slices are exactly one process's initial
+(parallel.parallelize.materialise_parallel): each rank's slices are exactly one process's initial
 weights. (The host memory this saves is a measurement, in docs/BENCHMARKS.md.)"""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from model import build_model
 from model.init import materialise
 from parallel.dims import DistInfo, Layout
-from parallel.parallelize import materialise_and_shard
+from parallel.parallelize import materialise_parallel
 from trainer.config import load_config
 
 ONE_PROCESS = DistInfo(0, 1, 0, torch.device("cpu"), None)
@@ -29,7 +29,7 @@ def test_each_ranks_slices_are_one_process_initial_weights(tp_rank, ep_rank):
     whole_params = dict(whole.named_parameters())
     model = build_model(cfg, device="meta")
     layout = _layout(tp_rank, ep_rank)
-    shards = materialise_and_shard(model, ONE_PROCESS, layout, SEED)
+    shards = materialise_parallel(model, ONE_PROCESS, layout, SEED, torch.float32)
 
     assert {kind for _, kind in shards.dims.values()} == {"tp", "ep"}
     for name, param in model.named_parameters():
