@@ -382,27 +382,7 @@ def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int
     return best
 
 
-# -- what the trainer runs today, and the search ------------------------------------------------------
-
-def refusal(cfg, layout: LayoutSpec) -> str | None:
-    """trainer.config.validate's verdict on this layout (None: the trainer runs it today)."""
-    from trainer.config import ConfigError, validate
-    import copy
-    trial = copy.deepcopy(cfg)
-    trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
-    trial.parallel.vp, trial.parallel.tp, trial.parallel.ep = layout.vp, layout.tp, layout.ep
-    if layout.vp > 1 and trial.parallel.schedule not in ("interleaved_1f1b", "zero_bubble"):
-        trial.parallel.schedule = "interleaved_1f1b"
-    if layout.vp == 1 and layout.pp > 1 and trial.parallel.schedule == "interleaved_1f1b":
-        trial.parallel.schedule = "1f1b"
-    try:
-        validate(trial)
-    except ConfigError as error:
-        return str(error)
-    if layout.dp % layout.ep:
-        return f"parallel.ep={layout.ep} must divide dp={layout.dp}"
-    return None
-
+# -- the search -------------------------------------------------------------------------------------
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
@@ -428,13 +408,12 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8
     return out
 
 
-def search(cfg_full, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: int, micro_batch: int,
+def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: int, micro_batch: int,
            global_batch: int, device: str = "cuda", capacity: float = 1.25,
-           precision: str = "auto") -> list[tuple[Plan, str | None]]:
+           precision: str = "auto") -> list[Plan]:
     """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
     stages (bubble and message traffic), then least recomputation (none < selective < full), then least
-    tensor parallelism, then the most memory left. Each with the trainer's refusal (None: runs today)."""
-    cfg = cfg_full.model
+    tensor parallelism, then the most memory left."""
     budget = gpu_bytes * (1 - headroom)
     fitting = []
     cache: dict[tuple, list[ParamCount]] = {}
@@ -454,4 +433,4 @@ def search(cfg_full, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: i
                 fitting.append(p)
     order = {"none": 0, "selective": 1, "full": 2}
     fitting.sort(key=lambda p: (p.layout.pp * p.layout.vp, order[p.mode], p.layout.tp, p.total_bytes))
-    return [(p, refusal(cfg_full, p.layout)) for p in fitting]
+    return fitting

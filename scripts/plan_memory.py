@@ -11,6 +11,7 @@ Without train.global_batch the pipeline is planned in its steady state (enough m
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -18,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from parallel.memory_plan import GIB, MIB, MODES, LayoutSpec, Plan, plan, refusal, search
-from trainer.config import ConfigError, load_config
+from parallel.memory_plan import GIB, MIB, MODES, LayoutSpec, Plan, plan, search
+from trainer.config import ConfigError, load_config, validate
 
 LAYOUT_KEYS = ("dp", "fsdp", "pp", "vp", "tp", "ep")
 STEADY_STATE = 1 << 20  # microbatches when train.global_batch is not given
@@ -27,6 +28,24 @@ STEADY_STATE = 1 << 20  # microbatches when train.global_batch is not given
 
 class PlanError(ValueError):
     """Bad input; the message is one line."""
+
+
+def refusal(cfg, layout: LayoutSpec) -> str | None:
+    """trainer.config.validate's verdict on this layout (None: the trainer runs it today)."""
+    trial = copy.deepcopy(cfg)
+    trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
+    trial.parallel.vp, trial.parallel.tp, trial.parallel.ep = layout.vp, layout.tp, layout.ep
+    if layout.vp > 1 and trial.parallel.schedule not in ("interleaved_1f1b", "zero_bubble"):
+        trial.parallel.schedule = "interleaved_1f1b"
+    if layout.vp == 1 and layout.pp > 1 and trial.parallel.schedule == "interleaved_1f1b":
+        trial.parallel.schedule = "1f1b"
+    try:
+        validate(trial)
+    except ConfigError as error:
+        return str(error)
+    if layout.dp % layout.ep:
+        return f"parallel.ep={layout.ep} must divide dp={layout.dp}"
+    return None
 
 
 def parse_layout(overrides: list[str], gpus: int) -> tuple[LayoutSpec, list[str]]:
@@ -124,9 +143,10 @@ def run_plan(args, overrides: list[str]) -> None:
     budget = gpu_bytes * (1 - args.headroom)
     if args.search:
         global_batch = cfg.train.global_batch if explicit else cfg.train.micro_batch * args.gpus * 8
-        found = search(cfg, gpus=args.gpus, gpu_bytes=gpu_bytes, headroom=args.headroom, seq_len=cfg.train.seq_len,
+        found = search(cfg.model, gpus=args.gpus, gpu_bytes=gpu_bytes, headroom=args.headroom, seq_len=cfg.train.seq_len,
                        micro_batch=cfg.train.micro_batch, global_batch=global_batch, device=args.device,
                        capacity=args.capacity, precision=cfg.train.precision)
+        found = [(p, refusal(cfg, p.layout)) for p in found]
         if args.runnable:
             found = [(p, refused) for p, refused in found if refused is None]
         print(f"{len(found)} layouts fit {args.gpus} x {args.gpu_mem_gib:g} GiB at seq_len={cfg.train.seq_len} "

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 import scripts.plan_memory as plan_memory
-from parallel.memory_plan import MIB, LayoutSpec, activation_elements, count_rank_parameters, plan, refusal
+from parallel.memory_plan import MIB, LayoutSpec, activation_elements, count_rank_parameters, plan
 from trainer.config import load_config
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_cli_prints_fits_and_does_not_fit():
     assert fits.returncode == 0, fits.stderr
     assert "\nfits: " in fits.stdout
     assert "layout dp16_pp4_ep16: " in fits.stdout and "  total                      44.45 GiB" in fits.stdout
-    verdict = refusal(load_config(["model=kimi_linear_48b"]), LayoutSpec(dp=16, pp=4, ep=16))
+    verdict = plan_memory.refusal(load_config(["model=kimi_linear_48b"]), LayoutSpec(dp=16, pp=4, ep=16))
     assert ("trainer today: runs it" if verdict is None else f"trainer today: refused ({verdict})") in fits.stdout
     ddp = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "--gpus", "64")
     assert ddp.returncode == 0, ddp.stderr
