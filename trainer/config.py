@@ -298,10 +298,6 @@ def check_values(cfg: Config) -> Config:
         if m.moe.aux_loss_coef:
             raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
                               "whole sequences and is not supported with parallel.tp > 1; set it to 0")
-    if p.fsdp > 1:
-        if cfg.optim.name == "muon":
-            raise ConfigError(f"optim=muon with parallel.fsdp={p.fsdp} is not supported: Muon orthogonalises whole "
-                              "matrices and fsdp ranks hold row shards; use optim=adamw")
     if m.moe.n_routed_experts % p.ep:
         raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):

@@ -8,6 +8,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, TrainConfig
+from trainer.muon import Muon
 
 
 class OptimizerGroup(torch.optim.Optimizer):
@@ -87,8 +88,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> OptimizerGroup:
     optimizers = [torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=False)]
     if muon_params:
         # adjust_lr_fn=None is Keller Jordan's scaling, lr * sqrt(max(1, out/in)), which muon_lr=0.02 is
-        # tuned for. Muon's decoupled decay multiplies by (1 - muon_lr * weight_decay) each step.
-        optimizers.append(torch.optim.Muon(
+        # tuned for. Muon's decoupled decay multiplies by (1 - muon_lr * weight_decay) each step. FSDP2's
+        # shards are orthogonalised whole (trainer/muon.py).
+        optimizers.append(Muon(
             muon_params, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay))
     return OptimizerGroup(optimizers)
 

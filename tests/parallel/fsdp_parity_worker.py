@@ -2,7 +2,8 @@
 cases on 2 ranks) in bf16: CPU autocast, FSDP2 gathering bf16 parameters. Every rank gathers its
 sharded gradients into whole ones and compares them with its own single-process copy, then takes one
 AdamW step and reports its parameter + optimizer-state bytes; rank 0 prints one JSON line per case, a
-CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line.
+CONTROL line (gradients summed instead of averaged over the data ranks) and a MEMORY line; on 2 ranks a
+MUON line (3 Muon steps on sharded matrices against one process, trainer.muon.Muon and torch.optim.Muon).
 On 4 ranks PIPELINE lines: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatters it counts, in fp32
 (built on meta and whole) and in bf16.
 
@@ -17,13 +18,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from model import build_model
 from parallel.dims import DistInfo, build_layout
 from parallel import fsdp
 from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
 from trainer.config import ParallelConfig, load_config
+from trainer.muon import Muon
 from tp_parity_worker import whole as whole_slice  # torchrun runs this file from its directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
@@ -218,6 +221,31 @@ def cut_read_blocks_control(info: DistInfo) -> dict:
         fsdp.read_block_units = original
 
 
+def muon_case(info: DistInfo) -> dict:
+    """3 Muon steps on a matrix FSDP-style sharded (Shard(0) over the ranks) against one process, for a
+    wide, a tall and a square shape: the largest parameter error over the largest update, for
+    trainer.muon.Muon and for torch.optim.Muon."""
+    mesh = init_device_mesh("cpu", (info.world_size,))
+    torch.manual_seed(0)
+    errors = {"ours": {}, "torch": {}}
+    for shape in ((32, 64), (64, 32), (32, 32)):
+        weight, grads = torch.randn(shape), [torch.randn(shape) for _ in range(3)]
+        reference = torch.nn.Parameter(weight.clone())
+        optimizer = torch.optim.Muon([reference], lr=0.02)
+        for grad in grads:
+            reference.grad = grad.clone()
+            optimizer.step()
+        for name, cls in (("ours", Muon), ("torch", torch.optim.Muon)):
+            param = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+            optimizer = cls([param], lr=0.02)
+            for grad in grads:
+                param.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+                optimizer.step()
+            error = (param.full_tensor() - reference).abs().max() / (reference - weight).abs().max()
+            errors[name][f"{shape[0]}x{shape[1]}"] = error.item()
+    return errors
+
+
 def memory(info: DistInfo) -> dict:
     """Per-rank parameter + AdamW-state bytes at model=xs, one process vs this layout."""
     cfg = load_config(["model=xs"])
@@ -238,6 +266,7 @@ def main() -> None:
     results = [run_case(case, info) for case in CASES[info.world_size]]
     control = cut_read_blocks_control(info)
     usage = memory(info)
+    muon = muon_case(info) if info.world_size == 2 else None
     pipelines = ([pipeline_case(info, on_meta) for on_meta in (True, False)] + [pipeline_case(info, True, bf16=True)]
                  if info.world_size == 4 else [])
     if info.rank == 0:
@@ -245,6 +274,8 @@ def main() -> None:
             print("CASE " + json.dumps(result), flush=True)
         print("CONTROL " + json.dumps(control), flush=True)
         print("MEMORY " + json.dumps(usage), flush=True)
+        if muon is not None:
+            print("MUON " + json.dumps(muon), flush=True)
         for pipeline in pipelines:
             print("PIPELINE " + json.dumps(pipeline), flush=True)
     dist.destroy_process_group()
