@@ -289,9 +289,6 @@ def check_values(cfg: Config) -> Config:
             if value % p.tp:
                 raise ConfigError(f"{key}={value} must be divisible by parallel.tp={p.tp} (heads, channels and "
                                   "the sequence are split tp ways)")
-        if cfg.optim.name == "muon":
-            raise ConfigError("optim=muon with parallel.tp > 1 is not supported: Muon orthogonalises whole matrices "
-                              "and tp ranks hold slices; use optim=adamw")
         if r.variant in STREAM_VARIANTS:
             raise ConfigError(f"variant={r.variant} is not supported with parallel.tp > 1; use baseline, highway, "
                               "full or block")

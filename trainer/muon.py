@@ -1,4 +1,4 @@
-"""Muon for parameters FSDP2 shards: gather each matrix's update, orthogonalise it whole, keep this rank's rows.
+"""Muon for sharded parameters: gather each matrix's update, orthogonalise it whole, keep this rank's part.
 
 torch.optim.Muon's update is elementwise except for the Newton-Schulz orthogonalisation, which needs the
 whole matrix. On a DTensor shard torch's own step runs the iteration through DTensor's sharded matmuls:
@@ -8,29 +8,57 @@ than one process does, and its update differs by about 2% (measured: 1.8e-2 of t
 elementwise parts (momentum, Nesterov, decoupled decay, the step) stay on the local shard, and the
 orthogonalisation all-gathers the update, runs torch's own iteration on the whole matrix (the same
 call one process makes, so the result is one process's) and keeps this rank's shard of it, as
-distributed Muon implementations do. Every rank orthogonalises every matrix it shards; spreading the
-matrices over the ranks would divide that work by the fsdp degree (left for later).
+distributed Muon implementations do. A tensor-parallel slice (a plain tensor, `MatrixSlice`) is
+all-gathered over its tp group the same way, after FSDP's gather where both split it. Every rank
+orthogonalises every matrix it holds part of; spreading the matrices over the ranks would divide that
+work by the fsdp (and tp) degree (left for later).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # private: pinned torch (setup.py)
 
 
-def orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix; for a DTensor, this rank's shard of it."""
-    whole = update.full_tensor() if isinstance(update, DTensor) else update
-    result = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+@dataclass(frozen=True)
+class MatrixSlice:
+    """A parameter that is this rank's slice, along `dim`, of a matrix split over `group` (tensor
+    parallelism): rank r of the group holds chunk r."""
+    dim: int
+    group: object
+
+
+def whole_matrix(update: torch.Tensor, part: MatrixSlice | None) -> torch.Tensor:
+    """The whole matrix of a (possibly FSDP-sharded, possibly tp-sliced) update, on every rank."""
+    whole = update.full_tensor() if isinstance(update, DTensor) else update  # FSDP: this rank's tp slice
+    if part is not None:
+        pieces = [torch.empty_like(whole) for _ in range(dist.get_world_size(part.group))]
+        dist.all_gather(pieces, whole.contiguous(), group=part.group)
+        whole = torch.cat(pieces, dim=part.dim)
+    return whole
+
+
+def local_part(result: torch.Tensor, update: torch.Tensor, part: MatrixSlice | None) -> torch.Tensor:
+    """This rank's part of `result` (the whole matrix), laid out as `update`. Every rank holds the same
+    result, so each keeps its own part without communication."""
+    if part is not None:
+        result = result.chunk(dist.get_world_size(part.group), part.dim)[dist.get_rank(part.group)]
     if isinstance(update, DTensor):
-        # Every rank holds the same whole result: each keeps its own shard, without communication.
         return distribute_tensor(result, update.device_mesh, update.placements, src_data_rank=None)
     return result
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon (its arguments, checks and state) with a step that accepts FSDP2's DTensor shards.
-    On plain tensors it is torch's step, to the bit (tests/trainer/test_muon.py)."""
+    """torch.optim.Muon (its arguments, checks and state) with a step that accepts FSDP2's DTensor shards
+    and tensor-parallel slices (`slices`: parameter -> MatrixSlice). On plain whole tensors it is torch's
+    step, to the bit (tests/trainer/test_muon.py)."""
+
+    def __init__(self, params, *args, slices: dict | None = None, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.slices = slices or {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,7 +78,10 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalise(update, group)
+                part = self.slices.get(param)
+                whole = whole_matrix(update, part)
+                result = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                # The learning-rate scale is the whole matrix's (out / in), not the slice's.
+                param.add_(local_part(result, update, part), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], whole.shape))
         return loss

@@ -8,7 +8,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimConfig, TrainConfig
-from trainer.muon import Muon
+from trainer.muon import MatrixSlice, Muon
 
 
 class OptimizerGroup(torch.optim.Optimizer):
@@ -77,9 +77,16 @@ def split_parameters(model: nn.Module, use_muon: bool) -> tuple[list, list, list
     return muon, decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> OptimizerGroup:
+def tensor_parallel_slices(model: nn.Module, shards, tp_group) -> dict[nn.Parameter, MatrixSlice]:
+    """The parameters that are tp slices of larger matrices (parallel.tensor.Shards), for Muon to gather."""
+    return {param: MatrixSlice(shards.dims[name][0], tp_group) for name, param in model.named_parameters()
+            if shards.kind(name) == "tp" and param.ndim == 2}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, slices: dict | None = None) -> OptimizerGroup:
     """AdamW over everything, or (optim.name=muon) Muon at muon_lr for the hidden matrices and AdamW at lr
-    for the rest. Always an OptimizerGroup, AdamW first, so the trainer handles both the same way."""
+    for the rest. Always an OptimizerGroup, AdamW first, so the trainer handles both the same way.
+    `slices` (tensor_parallel_slices): which of Muon's matrices are tp slices, orthogonalised whole."""
     muon_params, decay, no_decay = split_parameters(model, use_muon=cfg.name == "muon")
     adamw_groups = [
         {"params": params, "weight_decay": wd}
@@ -89,9 +96,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> OptimizerGroup:
     if muon_params:
         # adjust_lr_fn=None is Keller Jordan's scaling, lr * sqrt(max(1, out/in)), which muon_lr=0.02 is
         # tuned for. Muon's decoupled decay multiplies by (1 - muon_lr * weight_decay) each step. FSDP2's
-        # shards are orthogonalised whole (trainer/muon.py).
-        optimizers.append(Muon(
-            muon_params, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay))
+        # shards and the tp slices are orthogonalised whole (trainer/muon.py).
+        optimizers.append(Muon(muon_params, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                               weight_decay=cfg.weight_decay, slices=slices))
     return OptimizerGroup(optimizers)
 
 

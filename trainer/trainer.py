@@ -35,7 +35,7 @@ from trainer.lock import RunDirError, check_room, disk_full_error, is_disk_full,
 from trainer import retrofit
 from trainer.safe_io import write_file
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
-                           wsd_decay_start)
+                           tensor_parallel_slices, wsd_decay_start)
 
 SCHEDULE_KEYS = ("steps", "schedule", "warmup_steps", "decay_fraction", "min_lr_ratio")
 
@@ -116,7 +116,8 @@ class Trainer:
         self.model = self.engine.model
         if train.compile:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim,
+                                         tensor_parallel_slices(self.model, self.engine.shards, self.layout.tp_group))
         self.scheduler = build_scheduler(self.optimizer, train)
         self.sampler = SampleSampler(self.samples.pass_samples, train.seq_len, cfg.seed)
         # Once, at start: the FLOPs are a function of the config, the peak of the device.

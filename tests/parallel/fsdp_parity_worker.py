@@ -26,7 +26,7 @@ from parallel.dims import DistInfo, build_layout
 from parallel import fsdp
 from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
 from trainer.config import ParallelConfig, load_config
-from trainer.muon import Muon
+from trainer.muon import MatrixSlice, Muon
 from tp_parity_worker import whole as whole_slice  # torchrun runs this file from its directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
@@ -224,7 +224,8 @@ def cut_read_blocks_control(info: DistInfo) -> dict:
 def muon_case(info: DistInfo) -> dict:
     """3 Muon steps on a matrix FSDP-style sharded (Shard(0) over the ranks) against one process, for a
     wide, a tall and a square shape: the largest parameter error over the largest update, for
-    trainer.muon.Muon and for torch.optim.Muon."""
+    trainer.muon.Muon and for torch.optim.Muon; and for trainer.muon.Muon on tp-style plain slices
+    along either dim (whose learning-rate scale must be the whole matrix's)."""
     mesh = init_device_mesh("cpu", (info.world_size,))
     torch.manual_seed(0)
     errors = {"ours": {}, "torch": {}}
@@ -243,6 +244,16 @@ def muon_case(info: DistInfo) -> dict:
                 optimizer.step()
             error = (param.full_tensor() - reference).abs().max() / (reference - weight).abs().max()
             errors[name][f"{shape[0]}x{shape[1]}"] = error.item()
+        for dim in (0, 1):  # tensor-parallel slices: plain tensors, chunk `rank` along dim
+            def mine(full):
+                return full.chunk(info.world_size, dim)[info.rank].clone()
+            param = torch.nn.Parameter(mine(weight))
+            optimizer = Muon([param], lr=0.02, slices={param: MatrixSlice(dim, dist.group.WORLD)})
+            for grad in grads:
+                param.grad = mine(grad)
+                optimizer.step()
+            error = (param - mine(reference)).abs().max() / (reference - weight).abs().max()
+            errors.setdefault("ours_tp", {})[f"{shape[0]}x{shape[1]} dim {dim}"] = error.item()
     return errors
 
 

@@ -86,7 +86,8 @@ def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases):
     if nproc == 2:  # 3 Muon steps on fsdp=2 shards against one process, per matrix shape
         (muon,) = lines["MUON"]
         print(f"Muon on shards, largest error / largest update: {muon}")
-        assert all(error == 0 for error in muon["ours"].values()), muon
+        assert all(error == 0 for error in [*muon["ours"].values(), *muon["ours_tp"].values()]), muon
+        assert len(muon["ours_tp"]) == 6, muon
         # Negative control: torch's own step runs the iteration on the shards, whose partial sums differ
         # for a tall matrix (orthogonalised transposed): measured 1.8e-2 of an update.
         assert muon["torch"]["64x32"] > 1e-3, muon
