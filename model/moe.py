@@ -293,9 +293,16 @@ class MoE(nn.Module):
         ids = expert_ids.view(B, T * self.top_k)  # (B, T*k)
         routed = torch.zeros(B, E, device=scores.device)
         routed.scatter_add_(1, ids, torch.ones_like(ids, dtype=routed.dtype))  # (B, E) assignments per sequence
-        f = routed * (E / (self.top_k * T))  # (B, E)
-        probs = (scores / scores.sum(-1, keepdim=True)).view(B, T, E)  # (B, T, E)
-        return self.aux_loss_coef * (f * probs.mean(1)).sum(-1).mean()
+        prob_sums = (scores / scores.sum(-1, keepdim=True)).view(B, T, E).sum(1)  # (B, E)
+        routed, prob_sums, tokens = self.sequence_totals(routed, prob_sums, T)
+        f = routed * (E / (self.top_k * tokens))  # (B, E)
+        return self.aux_loss_coef * (f * prob_sums / tokens).sum(-1).mean()
+
+    def sequence_totals(self, routed: torch.Tensor, prob_sums: torch.Tensor,
+                        tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per-sequence sums over the tokens this forward saw -> over the whole sequence: here the same.
+        The seam sequence parallelism replaces: each rank then routes a slice of every sequence."""
+        return routed, prob_sums, tokens
 
     @torch.no_grad()
     def update_bias(self) -> None:

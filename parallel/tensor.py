@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
@@ -28,6 +29,7 @@ from model.decoder import Decoder
 from model.kda import KimiDeltaAttention
 from model.mla import MultiHeadLatentAttention
 from model.mlp import SwiGLU
+from model.moe import MoE
 from parallel.dims import Layout
 
 
@@ -170,8 +172,24 @@ def _shard_swiglu(shards: Shards, mlp: SwiGLU, prefix: str, rank: int, tp: int) 
     _shard_linear(shards, mlp.down_proj, f"{prefix}down_proj.", 1, rank, tp)
 
 
+class SequenceTotals:
+    """Replaces MoE.sequence_totals under tp: each rank routes its T/tp tokens of every sequence, so the
+    sequence-level balance loss sums its per-sequence counts and probabilities over the tp group. The
+    probabilities' sum is autograd-aware (its backward sums the gradients too), so every rank's tokens
+    get the whole loss's gradient; the replicated router's gradient is then summed over tp as usual."""
+
+    def __init__(self, group, tp: int):
+        self.group, self.tp = group, tp
+
+    def __call__(self, routed: torch.Tensor, prob_sums: torch.Tensor, tokens: int):
+        routed = routed.clone()
+        dist.all_reduce(routed, group=self.group)
+        return routed, dist_nn.all_reduce(prob_sums, group=self.group), tokens * self.tp
+
+
 def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> None:
-    """Split the token mixers and dense MLPs of `model` (in place) over the tp group."""
+    """Split the token mixers and dense MLPs of `model` (in place) over the tp group; the MoE layers
+    keep their experts and total their balance loss over the group."""
     if layout.tp == 1:
         return
     rank, tp, group = layout.tp_rank, layout.tp, layout.tp_group
@@ -185,6 +203,8 @@ def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> Non
         if isinstance(block.mlp, SwiGLU):
             _shard_swiglu(shards, block.mlp, prefix + "mlp.", rank, tp)
             _region(block.mlp, group)
+        elif isinstance(block.mlp, MoE):
+            block.mlp.sequence_totals = SequenceTotals(group, tp)
 
 
 def reduce_replicated_grads(model: nn.Module, shards: Shards, group) -> None:

@@ -86,7 +86,7 @@ def torchrun_runs(runs, workdir, nproc=2, timeout=600):
 
 
 def launch_parity_worker(worker, nproc: int):
-    """Run a parity worker script under torchrun; returns its CASE lines and its CONTROL line as dicts."""
+    """Run a parity worker script under torchrun; returns its CASE lines and its CONTROL lines as dicts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc-per-node={nproc}", str(worker)], capture_output=True, text=True,
@@ -94,5 +94,5 @@ def launch_parity_worker(worker, nproc: int):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
-    control = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
-    return cases, control[0]
+    controls = [json.loads(line[8:]) for line in lines if line.startswith("CONTROL ")]
+    return cases, controls

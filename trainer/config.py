@@ -292,9 +292,6 @@ def check_values(cfg: Config) -> Config:
         if r.variant in STREAM_VARIANTS:
             raise ConfigError(f"variant={r.variant} is not supported with parallel.tp > 1; use baseline, highway, "
                               "full or block")
-        if m.moe.aux_loss_coef:
-            raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss needs "
-                              "whole sequences and is not supported with parallel.tp > 1; set it to 0")
     if m.moe.n_routed_experts % p.ep:
         raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):

@@ -43,7 +43,7 @@ def assert_bf16_like_one_process(case: dict) -> None:
 
 @pytest.mark.parametrize("pp, expected_cases", [(2, 22), (3, 15)])
 def test_one_step_under_pp_equals_one_process(pp, expected_cases):
-    cases, control = launch_parity_worker(WORKER, pp)
+    cases, (control,) = launch_parity_worker(WORKER, pp)
     assert len(cases) == expected_cases
     assert {(c["vp"], c["schedule"]) for c in cases} >= {(1, "1f1b"), (1, "gpipe"), (2, "interleaved_1f1b")}
     bf16 = [case for case in cases if case.get("precision") == "bf16"]

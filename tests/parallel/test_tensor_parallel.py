@@ -17,10 +17,17 @@ from trainer.trainer import Trainer
 WORKER = Path(__file__).with_name("tp_parity_worker.py")
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 5), (4, 3)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 6), (4, 3)])
 def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
-    cases, control = launch_parity_worker(WORKER, nproc)
+    """Loss, every gradient and the gradient norm of one step (the sequence-level balance loss included
+    in one tp2 case); negative controls: replicated gradients left incomplete over tp, and (2 ranks)
+    each rank's balance loss over its own slice of the sequences."""
+    cases, (control, *aux_control) = launch_parity_worker(WORKER, nproc)
     assert len(cases) == expected_cases
+    if nproc == 2:
+        (aux_control,) = aux_control
+        print(f"balance loss over slices instead of whole sequences: gradient error {aux_control['grad_error']:.2e}")
+        assert aux_control["grad_error"] > 1e-4, aux_control
     for case in cases:
         assert case["loss_error"] < 2e-6, case
         assert case["grad_error"] < 2e-6, case

@@ -1,6 +1,8 @@
 """Run under torchrun (gloo): one training step with tensor/sequence and expert parallelism vs the same
 step in one process. Every rank gathers the slices of the parameters it holds into whole gradients
-and compares them with its own single-process copy; rank 0 prints one JSON line per case.
+and compares them with its own single-process copy; rank 0 prints one JSON line per case and CONTROL
+lines (replicated gradients not completed over tp; on 2 ranks also the balance loss over each rank's
+slice of the sequences instead of the whole sequence).
 
     torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2
     torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2
@@ -25,7 +27,9 @@ CASES = {
     2: [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": v} for v in ("baseline", "full", "block")]
        + [{"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "block"},
           # every token routed to experts 0 and 1: the second ep rank receives nothing
-          {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "baseline", "skewed": True}],
+          {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "baseline", "skewed": True},
+          # the sequence-level balance loss, whose sequences each tp rank holds a slice of
+          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1}],
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"}],
 }
@@ -51,7 +55,8 @@ def skew(model, case: dict):
 
 
 def run_case(case: dict, info: DistInfo) -> dict:
-    cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2"])
+    cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2",
+                       f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}"])
     dp = case["dp"]
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (dp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
@@ -59,9 +64,12 @@ def run_case(case: dict, info: DistInfo) -> dict:
 
     torch.manual_seed(0)
     reference = skew(build_model(cfg), case)
-    losses = [cross_entropy(reference(x), y) for x, y in batches]
+    losses, aux_losses = [], []
+    for x, y in batches:
+        losses.append(cross_entropy(reference(x), y))
+        aux_losses.append(reference.aux_loss())  # trained on, not reported: the engines report the LM loss
     reference_loss = torch.stack(losses).mean()
-    reference_loss.backward()
+    (reference_loss + torch.stack(aux_losses).mean()).backward()
     reference_grads = {name: p.grad for name, p in reference.named_parameters()}
     reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
     with torch.no_grad():  # block storage of the unsharded model: the sources of the final read
@@ -72,6 +80,9 @@ def run_case(case: dict, info: DistInfo) -> dict:
     parallel = ParallelConfig(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1))
     torch.manual_seed(0)
     engine = build_engine(skew(build_model(cfg), case), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
+    if case.get("slice_balance_loss"):  # the control: each rank's balance loss over its slice of the sequence
+        for moe in engine.model.moe_layers():
+            del moe.sequence_totals
     mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, contextlib.nullcontext, None)
     grad_norm = engine.clip_grad_norm(1e9)
@@ -110,10 +121,14 @@ def main() -> None:
         control = run_case({"dp": info.world_size // 2, "pp": 1, "tp": 2, "ep": 1, "variant": "block"}, info)
     finally:
         parallelize.reduce_replicated_grads = original
+    aux_control = (run_case({"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1,
+                             "slice_balance_loss": True}, info) if info.world_size == 2 else None)
     if info.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
         print("CONTROL " + json.dumps(control), flush=True)
+        if aux_control is not None:
+            print("CONTROL " + json.dumps(aux_control), flush=True)
     dist.destroy_process_group()
     sys.exit(0)
 
