@@ -33,7 +33,7 @@ class MoEConfig:
 
 
 VARIANTS = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
-STREAM_VARIANTS = ("mhc", "hc")  # m parallel residual streams: (B, T, d) stage boundaries cannot carry them
+STREAM_VARIANTS = ("mhc", "hc")  # m parallel residual streams: a pipeline cut carries m tensors (B, T, d)
 
 
 @dataclass

@@ -3,16 +3,20 @@
 Prints, in d-sized block vectors per token for one forward pass, the paper's naive volume
 C(C-1)/2 * N_p, the paper's cached bound P(P-1)/2 * N_p + (V-1) * P^2 * N_p, the exact optimum
 P(P-1)/2 * N_p + (V-1) * P(P-1) * N_p, and what our stages send per transition (with the embedding
-b_0 and the partial sums of blocks that straddle a cut shown separately).
+b_0 and the partial sums of blocks that straddle a cut shown separately); then, beside it, what the
+baseline (its running sum) and mHC (its m = 4 streams) send.
 
     python -m scripts.pp_comm_volume --pp 4 --vp 2 [--model s] [hydra overrides...]
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from parallel.pipeline.plan import PipelinePlan
 from trainer.config import load_config
+
+MHC_STREAMS = 4  # the paper's mHC (configs/variant/mhc.yaml)
 
 
 def volumes(plan: PipelinePlan) -> dict:
@@ -53,6 +57,13 @@ def main() -> None:
               f"blocks={vol['ours_blocks']} + embedding b_0={vol['ours_embedding']} + partial sums="
               f"{vol['ours_partial_sums']} = {vol['ours_total']} vectors/token "
               f"({vol['ours_total'] * cfg.d_model * 4} bytes fp32); per transition {vol['per_transition']}")
+    # The residual-stream variants send the same at every cut, cache or not: the baseline its sum,
+    # mHC its m streams (the m-times communication the paper sets against AttnRes's blocks).
+    for variant, streams in (("baseline", 1), ("mhc", MHC_STREAMS)):
+        other = replace(cfg, residual=replace(cfg.residual, variant=variant, streams=streams))
+        sent = PipelinePlan(other, args.pp, args.vp, cache=False).sent_vectors()
+        label = "baseline" if variant == "baseline" else f"mHC m={streams}"
+        print(f"{label}: {sum(sent)} vectors/token ({sum(sent) * cfg.d_model * 4} bytes fp32); per transition {sent}")
 
 
 if __name__ == "__main__":

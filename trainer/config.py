@@ -304,9 +304,6 @@ def check_values(cfg: Config) -> Config:
         if cfg.data.document_masking:
             raise ConfigError("data.document_masking=true is not supported under pipeline parallelism (parallel.pp > "
                               "1) yet: the document starts are not sent between stages; use pp=1 layouts")
-        if r.variant in STREAM_VARIANTS:
-            raise ConfigError(f"variant={r.variant} is not supported under pipeline parallelism (parallel.pp > 1): "
-                              "its m streams are not a stage boundary tensor; use parallel=single or dp2")
         if p.pp * p.vp > m.n_blocks:
             raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
                               f"{m.n_blocks} transformer blocks")

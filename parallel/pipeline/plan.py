@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.config import ModelConfig
+from model.config import STREAM_VARIANTS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class PipelinePlan:
                              f"{cfg.n_blocks} transformer blocks; lower parallel.pp or parallel.vp")
         self.attnres = cfg.residual.variant in ("full", "block")  # else one running sum crosses each cut
         self.sends_embedding = cfg.residual.variant == "x0"  # x0's reads need v_0 beside the sum
+        # mHC and HC carry m streams (m, B, T, d) instead of one sum: m tensors cross each cut.
+        self.streams = cfg.residual.streams if cfg.residual.variant in STREAM_VARIANTS else 1
         base, extra = divmod(cfg.n_blocks, self.n_chunks)
         sizes = [base + int(c < extra) for c in range(self.n_chunks)]  # earlier chunks take the remainder
         starts = [sum(sizes[:c]) for c in range(self.n_chunks)]
@@ -76,9 +78,9 @@ class PipelinePlan:
     # -- communication volume, in d-sized vectors per token ----------------------------------------
 
     def sent_vectors(self) -> list[int]:
-        """Per transition: vectors per token that cross it (baseline: the hidden state)."""
+        """Per transition: vectors per token that cross it (baseline: the hidden state; mHC: its m streams)."""
         if not self.attnres:
-            return [1 + int(self.sends_embedding)] * (self.n_chunks - 1)
+            return [self.streams + int(self.sends_embedding)] * (self.n_chunks - 1)
         return [self.transition(c).n_tensors for c in range(self.n_chunks - 1)]
 
     def blocks_per_chunk(self) -> float:

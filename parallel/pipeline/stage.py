@@ -77,8 +77,10 @@ class PipelineChunk(nn.Module):
         if self.is_first:
             return self.mixer.start(self.embed(message[0]))
         sublayer = self.plan.first_sublayer(self.chunk)
-        if not self.plan.attnres:  # the running sum, then x0's v_0
-            return DepthState(blocks=list(message[1:]), partial=message[0], next_sublayer=sublayer)
+        if not self.plan.attnres:  # the running sum (mHC: its m streams, one tensor each), then x0's v_0
+            streams = self.plan.streams
+            partial = torch.stack(message[:streams]) if streams > 1 else message[0]  # (m, B, T, d) for mHC
+            return DepthState(blocks=list(message[streams:]), partial=partial, next_sublayer=sublayer)
         incoming = self.plan.transition(self.chunk - 1)
         partial = message[0] if incoming.sends_partial else None
         received = list(message[int(incoming.sends_partial):])
@@ -89,7 +91,8 @@ class PipelineChunk(nn.Module):
 
     def _pack(self, state: DepthState) -> tuple[torch.Tensor, ...]:
         if not self.plan.attnres:
-            return self._typed([state.partial, *state.blocks])
+            sums = list(state.partial.unbind(0)) if self.plan.streams > 1 else [state.partial]  # m x (B, T, d)
+            return self._typed([*sums, *state.blocks])
         outgoing = self.plan.transition(self.chunk)
         blocks = list(state.blocks)
         if self.plan.caches_after(self.chunk):
@@ -108,7 +111,7 @@ class PipelineChunk(nn.Module):
         a payload of another dtype would arrive as garbage. Under autocast a block made of sublayer outputs
         (every block of Full, Block's partial sums) is bf16 while b_0 and the baseline's sum are fp32, and
         fp32 holds the bf16 values exactly."""
-        return tuple(t.to(self.message_dtype) for t in message)
+        return tuple(t.to(self.message_dtype).contiguous() for t in message)  # mHC's start expands one tensor
 
 
 class CachingPipelineStage(PipelineStage):

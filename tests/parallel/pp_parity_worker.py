@@ -22,14 +22,14 @@ MICRO_BATCH, SEQ = 2, 12
 
 
 def cases(pp: int):
-    variants = [("baseline", []), ("full", []), ("block", ["variant.block_size=3"])]
+    variants = [("baseline", []), ("full", []), ("block", ["variant.block_size=3"]), ("mhc", [])]
     for vp in (1, 2, 3):
         if pp * vp > 6:
             continue
         schedules = ["1f1b", "gpipe"] if vp == 1 else ["interleaved_1f1b"]
         for schedule in schedules:
             for variant, extra in variants:
-                for cache in ([True, False] if variant != "baseline" else [True]):
+                for cache in ([True, False] if variant in ("full", "block") else [True]):
                     yield {"pp": pp, "vp": vp, "schedule": schedule, "variant": variant, "extra": extra,
                            "cache": cache}
 

@@ -41,7 +41,7 @@ def assert_bf16_like_one_process(case: dict) -> None:
     assert comm["measured_bytes_per_token"] == [n * case["d_model"] * 4 for n in comm["vectors_per_token"]], case
 
 
-@pytest.mark.parametrize("pp, expected_cases", [(2, 22), (3, 15)])
+@pytest.mark.parametrize("pp, expected_cases", [(2, 26), (3, 18)])
 def test_one_step_under_pp_equals_one_process(pp, expected_cases):
     cases, (control,) = launch_parity_worker(WORKER, pp)
     assert len(cases) == expected_cases
@@ -57,6 +57,10 @@ def test_one_step_under_pp_equals_one_process(pp, expected_cases):
             continue
         assert case["loss_error"] < 1e-5, case
         assert case["grad_error"] < 1e-5, case
+    mhc = [case for case in cases if case["variant"] == "mhc"]
+    assert len(mhc) == (4 if pp == 2 else 3)
+    for case in mhc:  # its 4 streams cross every cut: the paper's m-times communication
+        assert case["vectors_per_token"] == [4] * (pp * case["vp"] - 1), case
     # Negative control: without the cached-gradient path the same comparison fails.
     assert control["grad_error"] > 1e-3
 
