@@ -128,6 +128,8 @@ def test_trains_under_the_trainer(tmp_path, tiny_dataset):
     assert losses[-1] < losses[0] + 0.1
 
 
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="variant=mhc is not supported under pipeline parallelism"):
-        load_config(["model=xs", "variant=mhc", "parallel=pp2"])
+def test_tensor_parallelism_is_refused_and_pipeline_parallelism_accepted():
+    """Under pp the m streams cross each cut as m tensors (tests/parallel/test_pipeline.py); tp is refused."""
+    with pytest.raises(ConfigError, match="variant=mhc is not supported with parallel.tp > 1"):
+        load_config(["model=xs", "variant=mhc", "parallel=tp2"])
+    assert load_config(["model=xs", "variant=mhc", "parallel=pp2"]).parallel.pp == 2
