@@ -216,6 +216,8 @@ class PipelineEngine:
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp,
                                      parallelize_chunks=parallelize_chunks, message_dtype=stream_dtype)
         self.model = self.runner.rank_model
+        for chunk in self.runner.chunks:  # the tp ranks' balance losses sum to the whole one, as the LM loss's
+            chunk.aux_loss_scale = 1 / tp
         # Ranks whose forwards talk across data ranks (FSDP's all-gathers, the experts' all-to-all)
         # evaluate in lockstep.
         self.lockstep = layout.fsdp > 1 or layout.ep > 1

@@ -307,9 +307,6 @@ def check_values(cfg: Config) -> Config:
         if p.pp * p.vp > m.n_blocks:
             raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
                               f"{m.n_blocks} transformer blocks")
-        if m.moe.aux_loss_coef:
-            raise ConfigError(f"model.moe.aux_loss_coef={m.moe.aux_loss_coef}: the sequence-level aux loss is not "
-                              "supported under pipeline parallelism (parallel.pp > 1); set it to 0")
         if r.window is not None and p.pp_cache:
             raise ConfigError("variant.window with parallel.pp_cache=true is not supported: blocks outside the window "
                               "get no gradient to carry back; set parallel.pp_cache=false")

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from model.decoder import Decoder
+from model.moe import MoE
 from model.residual import DepthState
 from parallel.pipeline.plan import PipelinePlan
 
@@ -44,6 +45,23 @@ class AddCachedGrad(torch.autograd.Function):
         return (grad if cached is None else grad + cached), None
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on `carrier`; backward also sends `scale` as the gradient of `aux_loss`. A stage's MoE
+    balance loss cannot join the last stage's loss, so it rides on the stage's output: whenever the
+    schedule runs this microbatch's backward through the stage, the loss's gradient enters there (as
+    Megatron's MoEAuxLossAutoScaler does)."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return carrier.view_as(carrier)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
 class DepthCache:
     """Blocks a rank keeps between its virtual stages, keyed by (microbatch, chunk); cleared every step."""
 
@@ -59,6 +77,9 @@ class PipelineChunk(nn.Module):
                  message_dtype: torch.dtype):
         super().__init__()
         self.plan, self.chunk, self.cache, self.message_dtype = plan, chunk, cache, message_dtype
+        # The balance loss's weight in a microbatch's backward: 1 (the schedule then divides every
+        # gradient by the microbatch count, as it does the LM loss's); the engine sets 1/tp under tp.
+        self.aux_loss_scale = 1.0
         self.is_first, self.is_last = chunk == 0, chunk == plan.n_chunks - 1
         self.mixer = rank_model.mixer
         # The chunk's parameters are registered here (the stage module); the forward is the Decoder's own,
@@ -71,7 +92,19 @@ class PipelineChunk(nn.Module):
 
     def forward(self, *message: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         state = self.decoder.forward_layers(self._unpack(message), blocks=self.layers.values())
-        return self.decoder.read_out(state) if self.is_last else self._pack(state)
+        output = self.decoder.read_out(state) if self.is_last else self._pack(state)
+        return self._with_aux_loss(output)
+
+    def _with_aux_loss(self, output):
+        """The chunk's MoE balance losses, attached to its output (AttachAuxLoss) at `aux_loss_scale`."""
+        losses = [block.mlp.aux_loss for block in self.layers.values()
+                  if isinstance(block.mlp, MoE) and block.mlp.aux_loss.requires_grad]
+        if not losses or not torch.is_grad_enabled():
+            return output
+        aux = torch.stack(losses).sum()
+        if self.is_last:
+            return AttachAuxLoss.apply(output, aux, self.aux_loss_scale)
+        return (AttachAuxLoss.apply(output[0], aux, self.aux_loss_scale), *output[1:])
 
     def _unpack(self, message: tuple[torch.Tensor, ...]) -> DepthState:
         if self.is_first:

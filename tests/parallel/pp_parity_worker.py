@@ -22,14 +22,17 @@ MICRO_BATCH, SEQ = 2, 12
 
 
 def cases(pp: int):
-    variants = [("baseline", []), ("full", []), ("block", ["variant.block_size=3"]), ("mhc", [])]
+    both = [True, False]  # with and without the cross-stage block cache
+    variants = [("baseline", [], [True]), ("full", [], both), ("block", ["variant.block_size=3"], both),
+                ("mhc", [], [True]),
+                ("block", ["variant.block_size=3", "model.moe.aux_loss_coef=0.1"], [True])]  # each stage's balance loss
     for vp in (1, 2, 3):
         if pp * vp > 6:
             continue
         schedules = ["1f1b", "gpipe"] if vp == 1 else ["interleaved_1f1b"]
         for schedule in schedules:
-            for variant, extra in variants:
-                for cache in ([True, False] if variant in ("full", "block") else [True]):
+            for variant, extra, caches in variants:
+                for cache in caches:
                     yield {"pp": pp, "vp": vp, "schedule": schedule, "variant": variant, "extra": extra,
                            "cache": cache}
 
@@ -46,7 +49,7 @@ def run_case(case: dict, rank: int) -> dict:
     losses = []
     for x, y in zip(inputs.split(MICRO_BATCH), targets.split(MICRO_BATCH)):
         loss = cross_entropy(reference(x), y)
-        (loss / microbatches).backward()
+        ((loss + reference.aux_loss()) / microbatches).backward()
         losses.append(loss.detach())
     reference_loss = torch.stack(losses).mean()
 
@@ -54,6 +57,9 @@ def run_case(case: dict, rank: int) -> dict:
     plan = PipelinePlan(cfg.model, case["pp"], case["vp"], case["cache"])
     runner = PipelineRunner(build_model(cfg), plan, rank, None, torch.device("cpu"), case["schedule"],
                             microbatches, MICRO_BATCH, SEQ, cross_entropy)
+    if case.get("drop_aux"):
+        for chunk in runner.chunks:
+            chunk.aux_loss_scale = 0.0
     loss = runner.step(inputs, targets)
     expected = dict(reference.named_parameters())
     worst = max((p.grad - expected[name].grad).abs().max().item() for name, p in runner.rank_model.named_parameters())
@@ -103,10 +109,14 @@ def main() -> None:
                             "extra": ["variant.block_size=3"], "cache": True}, rank)
     finally:
         AddCachedGrad.backward = original
+    # Negative control: the stages' balance losses left out of the backward.
+    aux_control = run_case({"pp": pp, "vp": 1, "schedule": "1f1b", "variant": "block", "cache": True,
+                            "extra": ["variant.block_size=3", "model.moe.aux_loss_coef=0.1"], "drop_aux": True}, rank)
     if rank == 0:
         for result in results + bf16:
             print("CASE " + json.dumps(result))
         print("CONTROL " + json.dumps(control))
+        print("CONTROL " + json.dumps(aux_control))
     dist.destroy_process_group()
     sys.exit(0)
 
