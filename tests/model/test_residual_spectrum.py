@@ -238,8 +238,9 @@ def test_trains_and_resumes_exactly(tmp_path, tiny_dataset, variant):
 
 
 def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset):
-    """highway, denseformer and x0 under pp2 (the three runs in one torchrun launch): one process's losses."""
-    variants = ("highway", "denseformer", "x0")
+    """highway, denseformer, x0 and HC (its m streams crossing the cut as m tensors) under pp2 (the four
+    runs in one torchrun launch): one process's losses."""
+    variants = ("highway", "denseformer", "x0", "hc")
     result = torchrun_runs([fast_train_overrides(tmp_path / variant / "piped", tiny_dataset, steps=3, variant=variant,
                                                  parallel="pp2") for variant in variants], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -253,10 +254,9 @@ def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset
             assert loss == pytest.approx(reference[step], rel=1e-5), (variant, step)
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2"])
-def test_hc_is_refused_where_its_streams_cannot_go(layout):
-    with pytest.raises(ConfigError, match="variant=hc is not supported"):
-        load_config(["model=xs", "variant=hc", f"parallel={layout}"])
+def test_hc_is_refused_under_tensor_parallelism():
+    with pytest.raises(ConfigError, match="variant=hc is not supported with parallel.tp > 1"):
+        load_config(["model=xs", "variant=hc", "parallel=tp2"])
 
 
 def test_depth_read_flops_count_every_variants_residual_arithmetic():
