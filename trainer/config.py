@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kernels.select import IMPLS, triton_refusal
-from model.config import STREAM_VARIANTS, VARIANTS, ModelConfig
+from model.config import VARIANTS, ModelConfig
 from model.init import INIT_SCHEMES
 from parallel.dims import PRECISIONS
 
@@ -289,9 +289,6 @@ def check_values(cfg: Config) -> Config:
             if value % p.tp:
                 raise ConfigError(f"{key}={value} must be divisible by parallel.tp={p.tp} (heads, channels and "
                                   "the sequence are split tp ways)")
-        if r.variant in STREAM_VARIANTS:
-            raise ConfigError(f"variant={r.variant} is not supported with parallel.tp > 1; use baseline, highway, "
-                              "full or block")
     if m.moe.n_routed_experts % p.ep:
         raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):

@@ -15,7 +15,7 @@ from model import build_model
 from model.residual.mhc import MIX_INIT_LOGIT, StreamConnections, sinkhorn
 from parallel.dims import init_distributed
 from test_residual import sublayer_fns, tokens
-from trainer.config import ConfigError, load_config
+from trainer.config import load_config
 from trainer.optim import split_parameters
 from trainer.trainer import Trainer
 
@@ -128,8 +128,8 @@ def test_trains_under_the_trainer(tmp_path, tiny_dataset):
     assert losses[-1] < losses[0] + 0.1
 
 
-def test_tensor_parallelism_is_refused_and_pipeline_parallelism_accepted():
-    """Under pp the m streams cross each cut as m tensors (tests/parallel/test_pipeline.py); tp is refused."""
-    with pytest.raises(ConfigError, match="variant=mhc is not supported with parallel.tp > 1"):
-        load_config(["model=xs", "variant=mhc", "parallel=tp2"])
+def test_tensor_and_pipeline_parallelism_are_accepted():
+    """Under pp the m streams cross each cut as m tensors (tests/parallel/test_pipeline.py); under tp each
+    stream is sharded along the sequence like the residual stream (tests/parallel/test_tensor_parallel.py)."""
     assert load_config(["model=xs", "variant=mhc", "parallel=pp2"]).parallel.pp == 2
+    assert load_config(["model=xs", "variant=mhc", "parallel=tp2"]).parallel.tp == 2

@@ -13,7 +13,7 @@ from parallel.dims import init_distributed
 from scripts.depth_matrix import semiseparable_rank
 from test_mhc import connections, naive_mhc_forward
 from test_residual import sublayer_fns, tokens
-from trainer.config import ConfigError, load_config
+from trainer.config import load_config
 from trainer.trainer import Trainer
 
 
@@ -252,11 +252,6 @@ def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset
         assert sorted(found) == [1, 2, 3], variant
         for step, loss in found.items():
             assert loss == pytest.approx(reference[step], rel=1e-5), (variant, step)
-
-
-def test_hc_is_refused_under_tensor_parallelism():
-    with pytest.raises(ConfigError, match="variant=hc is not supported with parallel.tp > 1"):
-        load_config(["model=xs", "variant=hc", "parallel=tp2"])
 
 
 def test_depth_read_flops_count_every_variants_residual_arithmetic():

@@ -17,7 +17,7 @@ from trainer.trainer import Trainer
 WORKER = Path(__file__).with_name("tp_parity_worker.py")
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 6), (4, 3)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 7), (4, 3)])
 def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
     """Loss, every gradient and the gradient norm of one step (the sequence-level balance loss included
     in one tp2 case); negative controls: replicated gradients left incomplete over tp, and (2 ranks)

@@ -29,7 +29,8 @@ CASES = {
           # every token routed to experts 0 and 1: the second ep rank receives nothing
           {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "baseline", "skewed": True},
           # the sequence-level balance loss, whose sequences each tp rank holds a slice of
-          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1}],
+          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1},
+          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "mhc"}],  # m streams, each sequence-sharded
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"}],
 }
