@@ -84,16 +84,6 @@ class ModelConfig:
     def is_moe(self, block: int) -> bool:
         return block >= self.n_dense_layers
 
-    @property
-    def block_size(self) -> int:
-        """Sublayers per AttnRes block: Full is 1; Block defaults to about 8 blocks."""
-        r = self.residual
-        if r.variant == "full":
-            return 1
-        if r.block_size is not None:
-            return r.block_size
-        return max(1, round(self.n_sublayers / 8))
-
 
 NESTED_CONFIGS = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "residual": ResidualConfig}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from model.config import ModelConfig
 from model.params import count_parameters
+from model.residual.geometry import DepthGeometry
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -39,10 +40,8 @@ def depth_read_flops(cfg: ModelConfig) -> float:
     if r.variant == "highway":  # the gate's projection (d -> 1 or d), then (1 - g) h + g v
         width = d if r.gate == "elementwise" else 1
         return cfg.n_sublayers * (2 * d * width + 3 * d)
-    from model.residual import build_mixer
-
-    mixer = build_mixer(cfg)
-    sources = sum(mixer.n_sources(sublayer) for sublayer in range(1, cfg.n_sublayers + 2))
+    geometry = DepthGeometry.of(cfg)
+    sources = sum(geometry.n_sources(sublayer) for sublayer in range(1, cfg.n_sublayers + 2))
     return 4 * d * sources
 
 

@@ -20,11 +20,12 @@ The functional boundary. A block's forward mutates the DepthState it is given (t
 replaces `partial`, appends completed blocks; the reads append key norms to `block_inv_rms` and
 leave batched phase-1 reads for later sublayers in `phase1`). A recomputation must neither append
 twice nor start from a state the forward already advanced, so the checkpointed function is pure in
-tensors: it takes the state's tensors (blocks, partial, block_inv_rms, phase1 entries) as inputs,
-rebuilds a fresh DepthState from them, runs the block, and returns only what the block produced
-(the new partial, the appended blocks and key norms, the phase-1 entries it added). The caller's
+tensors: it takes the state's tensors (`DepthState.carry`: partial, blocks, block_inv_rms, phase1
+entries) as inputs, rebuilds a fresh DepthState from them (`DepthState.from_carry`), runs the block,
+and returns only what the block produced, carried the same way (the new partial, the appended blocks
+and key norms, the phase-1 entries it added). The caller's
 DepthState is then updated from those outputs, once. mHC's `pending_write` lives only between a read
-and its write inside one block, so it is None at every block boundary (checked).
+and its write inside one block, so it is None at every block boundary (`carry` checks).
 
 Side effects a recomputation must not repeat, handled by `_Recompute` (entered only around it):
 - diagnostics: the recomputation records into a scratch dict (the same ops run, so the recomputed
@@ -36,7 +37,6 @@ Blocks run with a decoding cache (inference) or without autograd run unchanged.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -76,35 +76,6 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@dataclass(frozen=True)
-class _Packing:
-    """Where a DepthState's tensors lie in a flat tuple: counts per field and which entries are None."""
-    n_blocks: int
-    n_inv_rms: int
-    phase1: tuple[tuple[int, int], ...]  # (sublayer, entries)
-    present: tuple[bool, ...]
-
-
-def _flatten(blocks, partial, inv_rms, phase1: dict) -> tuple[tuple[torch.Tensor, ...], _Packing]:
-    keys = sorted(phase1)
-    parts = [*blocks, partial, *inv_rms, *(t for k in keys for t in phase1[k])]
-    layout = _Packing(len(blocks), len(inv_rms), tuple((k, len(phase1[k])) for k in keys),
-                     tuple(t is not None for t in parts))
-    return tuple(t for t in parts if t is not None), layout
-
-
-def _unflatten(tensors, layout: _Packing) -> tuple[list, torch.Tensor | None, list, dict]:
-    stream = iter(tensors)
-    parts = [next(stream) if present else None for present in layout.present]
-    blocks, partial = parts[:layout.n_blocks], parts[layout.n_blocks]
-    rest = parts[layout.n_blocks + 1:]
-    inv_rms, rest = rest[:layout.n_inv_rms], rest[layout.n_inv_rms:]
-    phase1 = {}
-    for key, entries in layout.phase1:
-        phase1[key], rest = tuple(rest[:entries]), rest[entries:]
-    return blocks, partial, inv_rms, phase1
-
-
 class _Recompute:
     """Entered around one block's recomputation in backward: undoes the forward's side effects."""
 
@@ -139,35 +110,34 @@ class _CheckpointedBlock:
     def __call__(self, state: DepthState, mixer, cache=None, document_starts=None) -> DepthState:
         if cache is not None or not torch.is_grad_enabled():
             return self.forward(state, mixer, cache, document_starts)
-        if state.pending_write is not None:
-            raise RuntimeError(f"block {self.block.index}: a pending mHC write crosses the block boundary")
-        inputs, in_layout = _flatten(state.blocks, state.partial, state.block_inv_rms, state.phase1)
+        inputs, in_layout = state.carry()  # refuses a pending mHC write at the boundary
         # Read now: `state` has moved on by the time backward recomputes.
         sublayer, reads, diagnostics = state.next_sublayer, state.reads, state.diagnostics
         recompute = _Recompute(self.block)
         produced = {}  # filled by the forward run only: the output layout and the phase-1 keys left
 
         def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            blocks, partial, inv_rms, phase1 = _unflatten(tensors, in_layout)
             recorded = {} if recompute.active and diagnostics is not None else diagnostics
-            inner = self.forward(DepthState(blocks=list(blocks), partial=partial, next_sublayer=sublayer, reads=reads,
-                                            block_inv_rms=list(inv_rms), phase1=dict(phase1),
-                                            diagnostics=recorded), mixer, None, document_starts)
+            given = DepthState.from_carry(tensors, in_layout, next_sublayer=sublayer, reads=reads,
+                                          diagnostics=recorded)
+            received = dict(given.phase1)
+            inner = self.forward(given, mixer, None, document_starts)
             # Only what the block made leaves the boundary: phase-1 entries it received and did not
             # consume stay outside, unchanged.
-            added = {k: v for k, v in inner.phase1.items() if v is not phase1.get(k)}
-            outputs, out_layout = _flatten(inner.blocks[len(blocks):], inner.partial,
-                                           inner.block_inv_rms[len(inv_rms):], added)
+            made = DepthState(blocks=inner.blocks[in_layout.n_blocks:], partial=inner.partial,
+                              block_inv_rms=inner.block_inv_rms[in_layout.n_inv_rms:],
+                              phase1={k: v for k, v in inner.phase1.items() if v is not received.get(k)})
+            outputs, out_layout = made.carry()
             if not recompute.active:
                 produced.update(layout=out_layout, phase1=sorted(inner.phase1), next_sublayer=inner.next_sublayer)
             return outputs
 
         outputs = checkpoint(run, *inputs, use_reentrant=False, context_fn=self._contexts(recompute))
-        new_blocks, partial, new_inv_rms, added = _unflatten(outputs, produced["layout"])
-        state.blocks = list(state.blocks) + new_blocks
-        state.partial = partial
-        state.block_inv_rms = list(state.block_inv_rms) + new_inv_rms
-        state.phase1 = {k: added[k] if k in added else state.phase1[k] for k in produced["phase1"]}
+        made = DepthState.from_carry(outputs, produced["layout"])
+        state.blocks = list(state.blocks) + made.blocks
+        state.partial = made.partial
+        state.block_inv_rms = list(state.block_inv_rms) + made.block_inv_rms
+        state.phase1 = {k: made.phase1[k] if k in made.phase1 else state.phase1[k] for k in produced["phase1"]}
         state.next_sublayer = produced["next_sublayer"]
         return state
 

@@ -22,19 +22,15 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model.layer import TransformerBlock
+from model.residual import DepthGeometry
 from parallel.dims import Layout
 
 
-def read_block_units(blocks: list[TransformerBlock], mixer) -> list[list[TransformerBlock]]:
-    """`blocks` (consecutive) cut where an AttnRes block of the two-phase read ends, and at the end."""
-    sublayers_per_read_block = mixer.block_size if getattr(mixer, "two_phase", False) else 1
-    units, unit = [], []
-    for block in blocks:
-        unit.append(block)
-        if (block.attn_sublayer + 1) % sublayers_per_read_block == 0:
-            units.append(unit)
-            unit = []
-    return units + ([unit] if unit else [])
+def depth_block_units(blocks: list[TransformerBlock], geometry: DepthGeometry) -> list[list[TransformerBlock]]:
+    """`blocks` (consecutive transformer blocks) grouped into FSDP units that never cut a depth block of the
+    two-phase read (DepthGeometry.units)."""
+    by_index = {block.index: block for block in blocks}
+    return [[by_index[index] for index in unit] for unit in geometry.units(list(by_index))]
 
 
 def mixed_precision(precision: torch.dtype) -> MixedPrecisionPolicy:
@@ -49,14 +45,14 @@ def mixed_precision(precision: torch.dtype) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(roots: list[nn.Module], layout: Layout, precision: torch.dtype, ignored: set[nn.Parameter],
-               reshard_after_forward: bool = True) -> None:
-    """Shard each root (a module with `layers` and `mixer`: the Decoder or a pipeline chunk) and its
-    read-block units over `layout.fsdp_mesh`, in place; a chunk starts a new unit, since the two-phase
-    read only batches the queries of the chunk's own sublayers."""
+               geometry: DepthGeometry, reshard_after_forward: bool = True) -> None:
+    """Shard each root (a module with `layers`: the Decoder or a pipeline chunk) and its depth-block units
+    over `layout.fsdp_mesh`, in place; a chunk starts a new unit, since the two-phase read only batches the
+    queries of the chunk's own sublayers."""
     policy = mixed_precision(precision)
     shard = functools.partial(fully_shard, mesh=layout.fsdp_mesh, mp_policy=policy, ignored_params=ignored,
                               reshard_after_forward=reshard_after_forward)
     for root in roots:
-        for unit in read_block_units(list(root.layers.values()), root.mixer):
+        for unit in depth_block_units(list(root.layers.values()), geometry):
             shard(unit if len(unit) > 1 else unit[0])
         shard(root)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from model.config import ModelConfig
+from model.residual.geometry import DepthGeometry
 from parallel.dims import resolve_precision
 
 GIB = 2 ** 30
@@ -137,19 +138,11 @@ def count_rank_parameters(cfg: ModelConfig, layout: LayoutSpec, sizes: dict[str,
 
 
 def _largest_unit(cfg: ModelConfig, per_block: dict) -> int:
-    """parallel/fsdp.py's shard_units: consecutive transformer blocks, cut only after a block whose last
-    sublayer ends an AttnRes block when the two-phase read is on (block_size 7 sublayers: 7 transformer
-    blocks per unit), then the root (embedding, final read, norm, head)."""
-    from model.residual import build_mixer
-    mixer = build_mixer(cfg)
-    every = mixer.block_size if getattr(mixer, "two_phase", False) else 1
-    units, unit = [per_block.get("root", 0)], 0
-    for block in sorted(b for b in per_block if b != "root"):
-        unit += per_block[block]
-        if (2 * block + 2) % every == 0:
-            units.append(unit)
-            unit = 0
-    return max(units + [unit])
+    """parallel/fsdp.py's units: consecutive transformer blocks cut where DepthGeometry.units allows (never
+    inside a depth block of the two-phase read), then the root (embedding, final read, norm, head)."""
+    blocks = sorted(b for b in per_block if b != "root")
+    units = DepthGeometry.of(cfg).units(blocks)
+    return max([per_block.get("root", 0)] + [sum(per_block[b] for b in unit) for unit in units])
 
 
 # -- activations -------------------------------------------------------------------------------------
@@ -226,31 +219,30 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
     """(d-vectors per token saved by the depth reads and writes inside `blocks` under `none`,
     d-vectors per token of the depth state that crosses block boundaries, kept under every mode).
     Inside: each read's output 1 (the PreNorm's input); a read that merges a partial sum (position > 0
-    in its AttnRes block) 3 more (the two scaled halves and the numerator) and the write's running sum
+    in its depth block) 3 more (the two scaled halves and the numerator) and the write's running sum
     1 unless it is stored as a block or crosses a boundary; a phase-1 read (S, B, T, d) that stays inside
-    one transformer block, S. Boundaries: the completed blocks b_0..b_n (the AttnRes block storage),
-    the open partial sum after each transformer block, and the phase-1 read of every AttnRes block
+    one transformer block, S. Boundaries: the completed depth blocks b_0..b_n (the block storage),
+    the open partial sum after each transformer block, and the phase-1 read of every depth block
     that straddles two transformer blocks (S: alive until its last member has read)."""
-    if cfg.residual.variant not in ("block", "full"):
+    geometry = DepthGeometry.of(cfg)
+    if not geometry.attends:
         return 2.0 * len(blocks), float(len(blocks))  # baseline: the running sum and the PreNorm input
-    S = cfg.block_size
+    S = geometry.size
     inside = boundary = 0.0
     for block in blocks:
         first, last = 2 * block + 1, 2 * block + 2
         for sublayer in (first, last):
-            position = (sublayer - 1) % S
+            position = geometry.position(sublayer)
             inside += 1
             if position > 0:
                 inside += 3 + int(position < S - 1 and sublayer != last)
-            if position == 0 and S > 1:  # this sublayer runs the AttnRes block's phase 1
-                block_end = min(sublayer + S - 1, cfg.n_sublayers)
-                if (block_end - 1) // 2 == block:
+            if position == 0 and S > 1:  # this sublayer runs the depth block's phase 1
+                if (geometry.depth_block_end(sublayer) - 1) // 2 == block:
                     inside += S
                 else:
                     boundary += S
-        boundary += int(last % S != 0)
-    completed = 1 + 2 * (max(blocks) + 1) // S if blocks else 1
-    return inside, boundary + completed
+        boundary += int(geometry.partial_open(last))
+    return inside, boundary + geometry.blocks_done(2 * (max(blocks) + 1) if blocks else 0)
 
 
 def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float) -> Elements:

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model.decoder import Decoder
 from model.documents import document_starts
 from model.init import materialise
+from model.residual import DepthGeometry
 from parallel.checkpointing import apply_activation_checkpointing
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
@@ -80,7 +81,8 @@ def parallelize(model: Decoder, layout: Layout, precision: torch.dtype,
     if layout.fsdp > 1:
         experts = set(expert_param_names(shards))
         ignored = {p for name, p in model.named_parameters() if name in experts}
-        apply_fsdp(fsdp_roots or [model], layout, precision, ignored, reshard_after_forward=fsdp_roots is None)
+        apply_fsdp(fsdp_roots or [model], layout, precision, ignored, DepthGeometry.of(model.cfg),
+                   reshard_after_forward=fsdp_roots is None)
     return shards
 
 

@@ -23,6 +23,7 @@ import torch
 
 from model import build_model
 from model.generation import decode_step
+from model.residual import DepthGeometry
 from trainer.config import load_config
 
 VARIANTS = ("baseline", "block", "full")
@@ -137,7 +138,7 @@ def main() -> None:
     if args.compile:
         timed["compiled"] = compiled_rounds(models, tokens, args.decode, args.rounds)
     print(f"model={args.model} prompt={args.prompt} decode={args.decode} rounds={args.rounds} "
-          f"threads={torch.get_num_threads()} block_size={cfg.block_size} device={device}")
+          f"threads={torch.get_num_threads()} block_size={DepthGeometry.of(cfg).size} device={device}")
     print(f"{'variant':<10}{'mode':<10}{'prefill (ms)':>14}{'ratio':>8}{'decode (ms/token)':>20}{'ratio':>8}")
     for mode, times in timed.items():
         print_rows(mode, times)
@@ -145,7 +146,7 @@ def main() -> None:
     print("\nblock storage during prefill (fp32), measured vs N * T * d * 4 (N: blocks incl. the embedding):")
     for variant in ("block", "full"):
         model = models[variant]
-        n_blocks = 1 + -(-cfg.n_sublayers // model.mixer.block_size)
+        n_blocks = model.mixer.geometry.max_sources
         for chunk in (args.prompt, args.chunk):
             measured = block_storage_bytes(model, tokens, chunk)
             formula = n_blocks * min(chunk, args.prompt) * cfg.d_model * 4

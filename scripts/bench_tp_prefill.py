@@ -39,7 +39,7 @@ def main() -> None:
     model = build_model(config).eval()
     shard_model(model, layout)
     tokens = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    n_sources = 1 + -(-cfg.n_sublayers // model.mixer.block_size)
+    n_sources = model.mixer.geometry.max_sources
 
     rows = []
     for chunk in (args.prompt, args.chunk):

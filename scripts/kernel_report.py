@@ -71,12 +71,13 @@ class Geometry:
 def geometry(size: str, residual: str) -> Geometry:
     from model import build_model
     from model.norms import RMSNorm
+    from model.residual import DepthGeometry
     from trainer.config import load_config
 
     cfg = load_config([f"model={size}", "variant=block", *RESIDUALS[residual]])
     model_cfg, options = cfg.model, cfg.model.residual
-    S, L = model_cfg.block_size, model_cfg.n_sublayers
-    # Block n (1-based) reads b_0 .. b_{n-1} for its queries: sublayers (n-1)S+1 .. min(nS, L).
+    S, L = DepthGeometry.of(model_cfg).size, model_cfg.n_sublayers
+    # Depth block n (1-based) reads b_0 .. b_{n-1} for its queries: sublayers (n-1)S+1 .. min(nS, L).
     calls = tuple((n, min(S, L - (n - 1) * S)) for n in range(1, math.ceil(L / S) + 1))
     model = build_model(cfg, device="meta")
     widths = sorted({m.weight.shape[0] for m in model.modules() if isinstance(m, RMSNorm) and m.impl != "reference"})

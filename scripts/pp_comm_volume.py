@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from model.residual import DepthGeometry
 from parallel.pipeline.plan import PipelinePlan
 from trainer.config import load_config
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config([f"model={args.model}", *args.overrides]).model
-    print(f"model={args.model} variant={cfg.residual.variant} blocks={cfg.n_blocks} block_size={cfg.block_size} "
+    print(f"model={args.model} variant={cfg.residual.variant} blocks={cfg.n_blocks} block_size={DepthGeometry.of(cfg).size} "
           f"P={args.pp} V={args.vp} d={cfg.d_model}")
     for cache in (False, True):
         plan = PipelinePlan(cfg, args.pp, args.vp, cache)

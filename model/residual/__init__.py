@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from model.config import VARIANTS, ModelConfig
 from model.residual.attnres import AttnResidual
-from model.residual.base import DepthState, ResidualMixer
+from model.residual.base import CarryLayout, DepthState, ResidualMixer
+from model.residual.geometry import DepthGeometry
 from model.residual.baseline import RunningSumResidual
 from model.residual.mhc import HyperConnectionResidual
 from model.residual.trace import DepthTrace
@@ -15,11 +16,11 @@ def build_mixer(cfg: ModelConfig) -> ResidualMixer:
         return RunningSumResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps,
                                   gate=r.gate if r.variant == "highway" else None, embedding_skip=r.variant == "x0")
     if r.variant in ("full", "block"):
-        return AttnResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r, cfg.block_size, cfg.kernel_impl)
+        return AttnResidual(cfg.d_model, cfg.norm_eps, r, DepthGeometry.of(cfg), cfg.kernel_impl)
     if r.variant in ("mhc", "hc"):
         return HyperConnectionResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r.streams,
                                        constrained=r.variant == "mhc")
     raise ValueError(f"residual.variant={r.variant!r} is not one of {', '.join(VARIANTS)}")
 
 
-__all__ = ["VARIANTS", "DepthState", "DepthTrace", "ResidualMixer", "build_mixer"]
+__all__ = ["VARIANTS", "CarryLayout", "DepthGeometry", "DepthState", "DepthTrace", "ResidualMixer", "build_mixer"]

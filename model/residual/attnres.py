@@ -1,9 +1,10 @@
-"""Full and Block Attention Residuals: one mixer, Full is Block with block size 1.
+"""Full and Block Attention Residuals: one mixer, Full is Block with depth blocks of one sublayer.
 
-Block n (1-based) holds sublayers (n-1)S+1 .. nS. Sublayer l at position i (0-based) in block n reads
+Depth block n (1-based; model/residual/geometry.py) holds sublayers (n-1)S+1 .. nS. Sublayer l at
+position i (0-based) in depth block n reads
     i == 0: [b_0 .. b_{n-1}]            i > 0: [b_0 .. b_{n-1}, b_n^{i}]   (b_n^{i}: partial sum)
-where b_0 is the embedding. With S = 1 every output is its own block: Full AttnRes. The final read
-attends over all completed blocks plus the trailing partial sum. Ablations (query, kernel, key norm,
+where b_0 is the embedding. With S = 1 every output is its own depth block: Full AttnRes. The final read
+attends over all completed depth blocks plus the trailing partial sum. Ablations (query, kernel, key norm,
 static mixing, heads, window) are options of the same read.
 """
 from __future__ import annotations
@@ -13,30 +14,22 @@ import torch
 from kernels.attnres import depth_attention, inverse_rms, phase1, phase2, source_weights, weighted_sum
 from model.config import ResidualConfig
 from model.residual.base import DepthState, ResidualMixer
+from model.residual.geometry import DepthGeometry
 from model.residual.read import DepthRead
 
 
 class AttnResidual(ResidualMixer):
-    def __init__(self, d_model: int, n_sublayers: int, eps: float, options: ResidualConfig, block_size: int,
+    def __init__(self, d_model: int, eps: float, options: ResidualConfig, geometry: DepthGeometry,
                  impl: str = "auto"):
-        super().__init__(d_model, n_sublayers, eps)
+        super().__init__(d_model, geometry.n_sublayers, eps)
         self.options = options
         self.impl = impl  # the two-phase read's kernels (kernels.attnres); the per-layer read is reference-only
-        self.block_size = block_size
+        self.geometry = geometry
         self.heads = options.heads
-        self.two_phase = (options.two_phase and options.query == "learned" and options.mixing == "attention"
-                          and options.window is None)
-
-    def position(self, sublayer: int) -> int:
-        """0-based position of `sublayer` inside its block."""
-        return (sublayer - 1) % self.block_size
 
     def n_sources(self, sublayer: int) -> int:
         """How many sources the read before `sublayer` sees (n_sublayers + 1: the final read)."""
-        completed = 1 + (sublayer - 1) // self.block_size
-        has_partial = self.position(sublayer) > 0
-        n = completed + int(has_partial)
-        return n if self.options.window is None else min(n, 1 + self.options.window)
+        return self.geometry.n_sources(sublayer)
 
     def make_read(self, sublayer: int) -> DepthRead:
         return DepthRead(self.d_model, self.options, self.n_sources(sublayer), self.eps)
@@ -48,8 +41,8 @@ class AttnResidual(ResidualMixer):
 
     def read(self, state: DepthState, read: DepthRead) -> torch.Tensor:
         sublayer = state.next_sublayer
-        with_partial = self.position(sublayer) > 0 and state.partial is not None
-        if self.two_phase:
+        with_partial = self.geometry.position(sublayer) > 0 and state.partial is not None
+        if self.geometry.two_phase:
             return self._two_phase_read(state, read, sublayer, with_partial)
         return self._read_sources(state, read, sublayer, with_partial)
 
@@ -88,7 +81,7 @@ class AttnResidual(ResidualMixer):
         return h
 
     def _two_phase_read(self, state: DepthState, read: DepthRead, sublayer: int, with_partial: bool) -> torch.Tensor:
-        """Algorithm 1: one batched inter-block read per block, then a merge with the partial sum."""
+        """Algorithm 1: one batched inter-block read per depth block, then a merge with the partial sum."""
         if sublayer not in state.phase1:
             self._run_phase1(state, sublayer)
         o1, m1, l1, scores1 = state.phase1.pop(sublayer)
@@ -105,9 +98,8 @@ class AttnResidual(ResidualMixer):
         return h
 
     def _run_phase1(self, state: DepthState, sublayer: int) -> None:
-        """Batch every query of this block that lives here (a pipeline stage may hold only part of it)."""
-        block_end = ((sublayer - 1) // self.block_size + 1) * self.block_size
-        members = [l for l in range(sublayer, min(block_end, self.n_sublayers) + 1)
+        """Batch every query of this depth block that lives here (a pipeline stage may hold only part of it)."""
+        members = [l for l in range(sublayer, self.geometry.depth_block_end(sublayer) + 1)
                    if l in state.reads and l not in state.skipped]
         if sublayer not in state.reads:
             raise KeyError(f"depth read for sublayer {sublayer} is not registered in DepthState.reads")
@@ -122,18 +114,19 @@ class AttnResidual(ResidualMixer):
 
     def write(self, state: DepthState, output: torch.Tensor) -> None:
         self.record_output(state, output)
-        position = self.position(state.next_sublayer)
+        position = self.geometry.position(state.next_sublayer)
         state.partial = output if position == 0 or state.partial is None else state.partial + output
         if state.trace is not None:
             state.trace.carry["partial"].append(state.next_sublayer)
-        self._close_block(state)
+        self._close_depth_block(state)
 
     def skip(self, state: DepthState) -> None:
-        """A skipped sublayer adds nothing to its block; a block whose sublayers were all skipped is absent."""
-        self._close_block(state)
+        """A skipped sublayer adds nothing to its depth block; a depth block whose sublayers were all skipped is
+        absent."""
+        self._close_depth_block(state)
 
-    def _close_block(self, state: DepthState) -> None:
-        if self.position(state.next_sublayer) == self.block_size - 1 and state.partial is not None:
+    def _close_depth_block(self, state: DepthState) -> None:
+        if self.geometry.closes_depth_block(state.next_sublayer) and state.partial is not None:
             state.blocks.append(state.partial)
             state.partial = None
             if state.trace is not None:

@@ -16,6 +16,22 @@ from torch import nn
 from model.residual.trace import DepthTrace
 
 
+@dataclass(frozen=True)
+class CarryLayout:
+    """Where a DepthState's crossing fields lie in the flat tuple `DepthState.carry` makes. Carry order:
+    partial, the blocks, the key norms, then each phase-1 entry's tensors by sublayer; `present` has one
+    flag per slot, False where the field is None (no tensor travels for it)."""
+    n_blocks: int
+    n_inv_rms: int
+    phase1: tuple[tuple[int, int], ...]  # (sublayer, entries)
+    present: tuple[bool, ...]
+
+    @classmethod
+    def of_message(cls, has_partial: bool, n_blocks: int) -> CarryLayout:
+        """A pipeline message: the partial sum (if any), then blocks; caches never cross a stage."""
+        return cls(n_blocks, 0, (), (has_partial,) + (True,) * n_blocks)
+
+
 @dataclass
 class DepthState:
     """Everything that flows along depth for one batch of tokens.
@@ -24,7 +40,8 @@ class DepthState:
     partial: sum of the current block's outputs so far (the baseline keeps its running sum here;
         mHC its m streams as one (m, B, T, d) tensor).
     next_sublayer: paper index of the sublayer that reads next (1-based).
-    The remaining fields are caches recomputable from the above; they never cross a pipeline stage.
+    block_inv_rms and phase1 are caches recomputable from the above: a pipeline stage drops them, a
+    checkpointed block carries them. The rest is context the receiver of a carry supplies.
     """
     blocks: list[torch.Tensor]
     partial: torch.Tensor | None
@@ -36,6 +53,30 @@ class DepthState:
     pending_write: tuple | None = None      # mHC: the read's (beta, A); Highway: its gate, for the write
     trace: DepthTrace | None = None                                  # the depth-mixing matrix, when requested
     skipped: set[int] = field(default_factory=set)                   # sublayers that do not run (ReSkip)
+
+    def carry(self) -> tuple[tuple[torch.Tensor, ...], CarryLayout]:
+        """The tensors that cross a boundary (a pipeline cut, a checkpointed block) as one flat tuple, and
+        where each lies. `pending_write` lives between a read and its write inside one block, so it is
+        never carried (refused here, not dropped)."""
+        if self.pending_write is not None:
+            raise RuntimeError(f"sublayer {self.next_sublayer}: a pending write cannot cross a block boundary")
+        keys = sorted(self.phase1)
+        slots = [self.partial, *self.blocks, *self.block_inv_rms, *(t for k in keys for t in self.phase1[k])]
+        layout = CarryLayout(len(self.blocks), len(self.block_inv_rms), tuple((k, len(self.phase1[k])) for k in keys),
+                             tuple(t is not None for t in slots))
+        return tuple(t for t in slots if t is not None), layout
+
+    @classmethod
+    def from_carry(cls, tensors: tuple[torch.Tensor, ...], layout: CarryLayout, **context) -> DepthState:
+        """The state `carry` flattened, with `context` (next_sublayer, reads, diagnostics, ...) supplied."""
+        stream = iter(tensors)
+        partial, *rest = [next(stream) if present else None for present in layout.present]
+        blocks, rest = rest[:layout.n_blocks], rest[layout.n_blocks:]
+        inv_rms, rest = rest[:layout.n_inv_rms], rest[layout.n_inv_rms:]
+        phase1 = {}
+        for key, entries in layout.phase1:
+            phase1[key], rest = tuple(rest[:entries]), rest[entries:]
+        return cls(blocks=blocks, partial=partial, block_inv_rms=inv_rms, phase1=phase1, **context)
 
 
 class ResidualMixer:

@@ -4,8 +4,9 @@ A chunk is the rank's copy of the decoder restricted to a range of transformer b
 embedding on chunk 0 and the final read, norm and head on the last chunk). Parameter names are the
 single-process names, so checkpoints move between layouts.
 
-Stage message (static per transition, see plan.Transition): (partial sum if a block straddles the
-cut, then blocks [first_block, last_block)); the baseline sends its running sum. With the cache, the
+Stage message (static per transition, see plan.Transition; `DepthState.carry` in
+`plan.message_layout`'s order): (partial sum if a depth block straddles the cut, then depth blocks
+[first_block, last_block)); the baseline sends its running sum. With the cache, the
 rank running chunk k already holds blocks [0, held) from its chunk k-P for the same microbatch:
 - blocks chunk k-P received are the engine's receive buffers (leaves): chunk k reuses the same
   tensors, so chunk k's backward accumulates into their .grad, which the engine reads after chunk
@@ -17,7 +18,6 @@ rank running chunk k already holds blocks [0, held) from its chunk k-P for the s
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 from torch import nn
@@ -27,8 +27,6 @@ from model.decoder import Decoder
 from model.moe import MoE
 from model.residual import DepthState
 from parallel.pipeline.plan import PipelinePlan
-
-current_microbatch: contextvars.ContextVar[int] = contextvars.ContextVar("current_microbatch", default=0)
 
 
 class AddCachedGrad(torch.autograd.Function):
@@ -90,9 +88,10 @@ class PipelineChunk(nn.Module):
         if self.is_last:
             self.final_res, self.norm, self.lm_head = rank_model.final_res, rank_model.norm, rank_model.lm_head
 
-    def forward(self, *message: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        state = self.decoder.forward_layers(self._unpack(message), blocks=self.layers.values())
-        output = self.decoder.read_out(state) if self.is_last else self._pack(state)
+    def forward(self, *message: torch.Tensor, microbatch: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`microbatch` keys the rank's block cache between its virtual stages (CachingPipelineStage passes it)."""
+        state = self.decoder.forward_layers(self._unpack(message, microbatch), blocks=self.layers.values())
+        output = self.decoder.read_out(state) if self.is_last else self._pack(state, microbatch)
         return self._with_aux_loss(output)
 
     def _with_aux_loss(self, output):
@@ -106,26 +105,23 @@ class PipelineChunk(nn.Module):
             return AttachAuxLoss.apply(output, aux, self.aux_loss_scale)
         return (AttachAuxLoss.apply(output[0], aux, self.aux_loss_scale), *output[1:])
 
-    def _unpack(self, message: tuple[torch.Tensor, ...]) -> DepthState:
+    def _unpack(self, message: tuple[torch.Tensor, ...], microbatch: int) -> DepthState:
         if self.is_first:
             return self.mixer.start(self.embed(message[0]))
-        sublayer = self.plan.first_sublayer(self.chunk)
-        if not self.plan.attnres:  # the running sum (mHC: its m streams, one tensor each), then x0's v_0
-            streams = self.plan.streams
-            partial = torch.stack(message[:streams]) if streams > 1 else message[0]  # (m, B, T, d) for mHC
-            return DepthState(blocks=list(message[streams:]), partial=partial, next_sublayer=sublayer)
-        incoming = self.plan.transition(self.chunk - 1)
-        partial = message[0] if incoming.sends_partial else None
-        received = list(message[int(incoming.sends_partial):])
-        held = []
-        if incoming.held_by_receiver:
-            held = self.cache.blocks[(current_microbatch.get(), self.chunk - self.plan.pp)]
-        return DepthState(blocks=held + received, partial=partial, next_sublayer=sublayer)
+        if self.plan.streams > 1:  # mHC's m streams arrive as m tensors: (m, B, T, d) again
+            message = (torch.stack(message[:self.plan.streams]), *message[self.plan.streams:])
+        state = DepthState.from_carry(message, self.plan.message_layout(self.chunk - 1),
+                                      next_sublayer=self.plan.first_sublayer(self.chunk))
+        if self.plan.attnres and self.plan.transition(self.chunk - 1).held_by_receiver:
+            state.blocks = self.cache.blocks[(microbatch, self.chunk - self.plan.pp)] + state.blocks
+        return state
 
-    def _pack(self, state: DepthState) -> tuple[torch.Tensor, ...]:
-        if not self.plan.attnres:
-            sums = list(state.partial.unbind(0)) if self.plan.streams > 1 else [state.partial]  # m x (B, T, d)
-            return self._typed([*sums, *state.blocks])
+    def _pack(self, state: DepthState, microbatch: int) -> tuple[torch.Tensor, ...]:
+        if not self.plan.attnres:  # the running sum (mHC: its m streams), then x0's v_0
+            message, _ = DepthState(blocks=state.blocks, partial=state.partial).carry()
+            if self.plan.streams > 1:  # the receive buffers are (B, T, d): m tensors
+                message = (*message[0].unbind(0), *message[1:])
+            return self._typed(message)
         outgoing = self.plan.transition(self.chunk)
         blocks = list(state.blocks)
         if self.plan.caches_after(self.chunk):
@@ -135,11 +131,13 @@ class PipelineChunk(nn.Module):
                 # A block made here: the cache gets a leaf, the message a copy that returns its gradient.
                 kept[i] = blocks[i].detach().requires_grad_(blocks[i].requires_grad)
                 blocks[i] = AddCachedGrad.apply(blocks[i], kept[i]) if blocks[i].requires_grad else blocks[i]
-            self.cache.blocks[(current_microbatch.get(), self.chunk)] = kept
-        sent = blocks[outgoing.first_block:outgoing.last_block]
-        return self._typed(([state.partial] if outgoing.sends_partial else []) + sent)
+            self.cache.blocks[(microbatch, self.chunk)] = kept
+        sent = DepthState(blocks=blocks[outgoing.first_block:outgoing.last_block],
+                          partial=state.partial if outgoing.sends_partial else None)
+        message, _ = sent.carry()
+        return self._typed(message)
 
-    def _typed(self, message: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _typed(self, message: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The message in the receive buffers' dtype, the stream's (fp32; bf16 with FSDP2's bf16 parameters):
         a payload of another dtype would arrive as garbage. Under autocast a block made of sublayer outputs
         (every block of Full, Block's partial sums) is bf16 while b_0 and the baseline's sum are fp32, and
@@ -148,7 +146,7 @@ class PipelineChunk(nn.Module):
 
 
 class CachingPipelineStage(PipelineStage):
-    """A PipelineStage that tells its chunk which microbatch it is running (the cache key), runs its
+    """A PipelineStage that passes its chunk the microbatch it is running (the cache key), runs its
     forwards (only) under `autocast` and measures the bytes per token of the message it sends."""
 
     sent_bytes_per_token: float | None = None
@@ -157,13 +155,10 @@ class CachingPipelineStage(PipelineStage):
     # those of the fp32 router, to bf16: one process runs its backwards outside autocast.
     autocast = contextlib.nullcontext
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        token = current_microbatch.set(fwd_chunk_id)
-        try:
-            with self.autocast():
-                output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        finally:
-            current_microbatch.reset(token)
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        with self.autocast():
+            output = super().forward_one_chunk(fwd_chunk_id, args, {**(kwargs or {}), "microbatch": fwd_chunk_id},
+                                               save_forward_output)
         if not self.is_last:
             tensors = output if isinstance(output, tuple) else (output,)
             tokens = tensors[0].shape[0] * tensors[0].shape[1]

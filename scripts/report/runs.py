@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
+from model.residual import DepthGeometry
 from trainer.config import CONFIG_DIR, Config
 
 EVAL_FILE = "eval.json"
@@ -31,7 +32,7 @@ VARIANT_ORDER = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
 # Residual options that change what the model computes; two_phase is an exact rewrite, not a variant.
 OPTIONS = ("query", "kernel", "key_norm", "mixing", "heads", "window")
 # Recipe fields a comparison may vary on purpose (learning-rate sweeps, the optimizer, the old-initialisation
-# control). Muon's learning rate means nothing to an AdamW run, so it has none ("-").
+# control). Muon's learning rate means nothing to an AdamW run, so it has none ("-") and its label omits it.
 RECIPE = {"lr": lambda cfg: cfg.optim.lr, "optim": lambda cfg: cfg.optim.name,
           "muon_lr": lambda cfg: cfg.optim.muon_lr if cfg.optim.name == "muon" else "-",
           "init": lambda cfg: cfg.model.init, "bias_rate": lambda cfg: cfg.model.moe.bias_update_rate}
@@ -160,7 +161,7 @@ def variant_label(model: ModelConfig, with_block_size: bool = True) -> str:
     r, default = model.residual, ResidualConfig()
     if r.variant == "full" and r.mixing == "scalars":
         return "denseformer"  # the preset (configs/variant/denseformer.yaml)
-    block = f"block S={model.block_size}" if with_block_size else "block"
+    block = f"block S={DepthGeometry.of(model).size}" if with_block_size else "block"
     label = {"block": block, "mhc": f"mhc m={r.streams}", "hc": f"hc m={r.streams}",
              "highway": "highway" + (f" gate={r.gate}" if r.gate != default.gate else "")}.get(r.variant, r.variant)
     if r.variant in ("full", "block"):
@@ -228,8 +229,10 @@ class Run:
         return self.metrics[-1]["tokens"] if self.metrics else 0
 
     def recipe(self, keys: list[str]) -> str:
-        """'lr=0.001 init=flat' for the given RECIPE keys ('' for none)."""
+        """'lr=0.001 init=flat' for the given RECIPE keys ('' for none); a field this run has none of ("-")
+        is left out, so an AdamW control in a Muon sweep reads 'optim=adamw'."""
         values = {key: RECIPE[key](self.config) for key in keys}
+        values = {key: value for key, value in values.items() if value != "-"}
         return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
                         for key, value in values.items())
 
@@ -295,7 +298,8 @@ class Group:
 
     @property
     def block_size(self) -> int:
-        return self.runs[0].config.model.block_size
+        """Sublayers per depth block; 0 for variants that do not attend over depth."""
+        return DepthGeometry.of(self.runs[0].config.model).size or 0
 
     @property
     def is_plain_block(self) -> bool:

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 from scripts.report.depth import mean_record
@@ -93,8 +94,15 @@ def x0_lines(setting: str, base: Group, x0: Group | None, attnres: list[Group]) 
         if not over_x0 or not over_base:
             continue
         gain, selection = statistics.fmean(over_base), statistics.fmean(over_x0)
-        share = (f"; the depth-selection share of its gain over the baseline is {selection / gain:.0%}"
-                 if gain < 0 else "")
+        # Paired, not pooled: the same seed gives both runs the same data and initial weights, so the
+        # seed-to-seed spread that pooled std counts cancels (Full's 3 paired gains under AdamW: -0.036 ± 0.001).
+        _, spread = mean_std(over_base)
+        if spread is not None and gain < -NOISE_SIGMAS * spread / math.sqrt(len(over_base)):
+            share = f"; the depth-selection share of its gain over the baseline is {selection / gain:.0%}"
+        else:
+            # A share of a gain that seed noise could have made is a ratio of two noises (it once read -251%).
+            share = (f"; its gain over the baseline ({paired_text(over_base)}) is within {NOISE_SIGMAS:g} "
+                     "standard errors of its paired differences, so there is no gain to split into shares")
         lines.append(f"  - {group.variant}: AttnRes's gain over x0 is {paired_text(over_x0)}{share}.")
     return lines
 

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from model import build_model
+from model.residual import DepthGeometry
 from parallel.dims import DistInfo, build_layout
 from parallel import fsdp
 from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
@@ -151,7 +152,8 @@ def run_case(case: dict, info: DistInfo) -> dict:
                            float(load_error), init_error, relative_error(grads, reference_grads)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     units = [[block.index for block in unit]
-             for unit in fsdp.read_block_units(list(engine.model.layers.values()), engine.model.mixer)]
+             for unit in fsdp.depth_block_units(list(engine.model.layers.values()),
+                                                       DepthGeometry.of(engine.model.cfg))]
     sharded = all(isinstance(p, DTensor) for p in engine.model.parameters())
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
             "worst_param": worst_name, "grad_norm": grad_norm, "grad_norm_error": result[2].item(),
@@ -211,14 +213,14 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
 def cut_read_blocks_control(info: DistInfo) -> dict:
     """Negative control: one unit per transformer block although the two-phase read batches the queries
     of an AttnRes block of 4 sublayers (2 transformer blocks)."""
-    original = fsdp.read_block_units
-    fsdp.read_block_units = lambda blocks, mixer: [[block] for block in blocks]
+    original = fsdp.depth_block_units
+    fsdp.depth_block_units = lambda blocks, geometry: [[block] for block in blocks]
     try:
         return run_case({"dp": info.world_size // 2, "fsdp": 2, "variant": "block", "block_size": 4}, info)
     except Exception as error:  # noqa: BLE001 - what the cut does is the result
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     finally:
-        fsdp.read_block_units = original
+        fsdp.depth_block_units = original
 
 
 def muon_case(info: DistInfo) -> dict:

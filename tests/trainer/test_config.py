@@ -6,6 +6,7 @@ from kernels.select import triton_refusal
 
 from model import build_model
 from model.params import count_parameters
+from model.residual import DepthGeometry
 from parallel.dims import resolve_precision
 from trainer.config import CONFIG_DIR, ConfigError, load_config
 
@@ -24,10 +25,10 @@ def test_every_model_and_variant_composes(model, variant):
     cfg = load_config([f"model={model}", f"variant={variant}"])
     assert cfg.model.residual.variant == ("full" if variant == "denseformer" else variant)  # a preset of Full
     if variant == "full":
-        assert cfg.model.block_size == 1
-    if variant == "block":  # the default block size gives about 8 blocks
-        n_blocks = -(-cfg.model.n_sublayers // cfg.model.block_size)
-        assert 6 <= n_blocks <= 10
+        assert DepthGeometry.of(cfg.model).size == 1
+    if variant == "block":  # the default block size gives about 8 depth blocks
+        n_depth_blocks = DepthGeometry.of(cfg.model).max_sources - 1
+        assert 6 <= n_depth_blocks <= 10
 
 
 @pytest.mark.parametrize("override, fragment", [
