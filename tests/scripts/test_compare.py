@@ -50,7 +50,7 @@ def test_unknown_experiment_is_one_clear_line(capsys):
         compare.main(["experiment=nope"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "experiment='nope' is not one of ablations | controls | cpu_repro | lr_sweep | muon_lr_sweep | quick | scaling" in err
+    assert "experiment='nope' is not one of ablations | controls | controls_long | cpu_repro | lr_sweep | muon_lr_sweep | quick | scaling" in err
 
 
 def test_shards_split_the_plan_and_the_last_call_reports(tmp_path, tiny_dataset, monkeypatch):
