@@ -18,7 +18,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --durations=25 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -65,19 +65,51 @@ def shutdown() -> None:
             dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class Degrees:
+    """How many ranks each parallelism spans: the one description of a layout. The trainer reads it from
+    `parallel.*` (`Degrees.of`), `build_layout` builds the mesh from it, and the memory planner plans and
+    names it. `dp` counts replicas; fsdp ranks shard one replica and see different data too, so the
+    ranks splitting a batch are `data_ranks = dp * fsdp`; ep is carved out of dp; vp is the virtual
+    pipeline stages (chunks) per pipeline rank."""
+    dp: int = 1
+    fsdp: int = 1
+    pp: int = 1
+    vp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def of(cls, parallel, world_size: int) -> Degrees:
+        """From a `parallel` config (fields dp, fsdp, pp, vp, tp, ep); dp=None takes what fsdp, pp and tp
+        leave of `world_size`."""
+        dp = parallel.dp if parallel.dp is not None else max(1, world_size // (parallel.fsdp * parallel.pp * parallel.tp))
+        return cls(dp, parallel.fsdp, parallel.pp, parallel.vp, parallel.tp, parallel.ep)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp * self.pp * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.fsdp
+
+    def name(self) -> str:
+        """'dp2_fsdp2_pp2' (the degrees above 1, in mesh order), 'single' for one rank."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
+        return "_".join(parts) or "single"
+
+
 @dataclass
 class Layout:
-    """Where this rank sits in the (dp, fsdp, pp, tp) mesh, and the groups it talks to.
+    """Where this rank sits in the (dp, fsdp, pp, tp) mesh of `degrees`, and the groups it talks to.
 
-    `dp` counts the ranks that see different data: parallel.dp replicas times parallel.fsdp shards
-    (`dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
+    `dp` is the ranks that see different data (`degrees.data_ranks`: replicas times fsdp shards;
+    `dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
     gradients and optimizer state over the `fsdp` ranks of one replica (`fsdp_mesh`: 1-D, or 2-D
     (replica, shard) for HSDP). Expert parallelism splits each dp group into ep-sized groups that share
     one copy of the routed experts (`ep_group`); `expert_dp_group` links the ranks holding the same expert shard."""
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
+    degrees: Degrees = Degrees()
     dp_rank: int = 0
     pp_rank: int = 0
     tp_rank: int = 0
@@ -88,19 +120,37 @@ class Layout:
     ep_group: object | None = None
     expert_dp_group: object | None = None
     mesh: object | None = None  # DeviceMesh (dp_rep, ep, fsdp, pp, tp); checkpoints place shards on it
-    fsdp: int = 1
     fsdp_mesh: object | None = None  # what fully_shard gets: ("fsdp",) or ("dp_rep", "fsdp") for HSDP
 
+    @property
+    def dp(self) -> int:
+        return self.degrees.data_ranks
 
-def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int = 1, fsdp: int = 1) -> Layout:
+    @property
+    def fsdp(self) -> int:
+        return self.degrees.fsdp
+
+    @property
+    def pp(self) -> int:
+        return self.degrees.pp
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
+
+    @property
+    def ep(self) -> int:
+        return self.degrees.ep
+
+
+def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
     """A (dp, fsdp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
-    neighbours and fsdp inside dp so a replica's shards are too; dp=None takes what fsdp, pp and tp
-    leave. dp is split as (dp / ep, ep) for the experts."""
-    dp = dp if dp is not None else info.world_size // (fsdp * pp * tp)
+    neighbours and fsdp inside dp so a replica's shards are too. dp is split as (dp / ep, ep) for the experts."""
     if info.world_size == 1:
         return Layout()
     from torch.distributed.device_mesh import init_device_mesh
 
+    dp, fsdp, pp, tp, ep = degrees.dp, degrees.fsdp, degrees.pp, degrees.tp, degrees.ep
     mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, pp, tp),
                             mesh_dim_names=("dp_rep", "ep", "fsdp", "pp", "tp"))
     data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
@@ -112,6 +162,6 @@ def build_layout(info: DistInfo, dp: int | None, pp: int, tp: int = 1, ep: int =
         expert_dp_group = mesh["dp_rep", "fsdp"]._flatten("expert_dp").get_group()
     elif fsdp > 1:
         fsdp_mesh = mesh["dp_rep", "fsdp"] if dp > 1 else mesh["fsdp"]
-    return Layout(dp * fsdp, pp, tp, ep, data_mesh.get_local_rank(), mesh.get_local_rank("pp"),
-                  mesh.get_local_rank("tp"), mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"),
-                  mesh.get_group("tp"), mesh.get_group("ep"), expert_dp_group, mesh, fsdp, fsdp_mesh)
+    return Layout(degrees, data_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
+                  mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
+                  mesh.get_group("ep"), expert_dp_group, mesh, fsdp_mesh)

@@ -37,29 +37,11 @@ import torch
 
 from model.config import ModelConfig
 from model.residual.geometry import DepthGeometry
-from parallel.dims import resolve_precision
+from parallel.dims import Degrees, resolve_precision
 
 GIB = 2 ** 30
 MIB = 2 ** 20
 MODES = ("none", "full", "selective")
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    dp: int = 1
-    fsdp: int = 1
-    pp: int = 1
-    vp: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.fsdp * self.pp * self.tp
-
-    def name(self) -> str:
-        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
-        return "_".join(parts) or "single"
 
 
 @dataclass
@@ -103,7 +85,7 @@ def parameter_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {name: p.numel() for name, p in build_model(cfg, device="meta").named_parameters()}
 
 
-def count_rank_parameters(cfg: ModelConfig, layout: LayoutSpec, sizes: dict[str, int] | None = None) -> list[ParamCount]:
+def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, int] | None = None) -> list[ParamCount]:
     """One ParamCount per pipeline rank (a tp/ep/fsdp rank of it holds the same amounts)."""
     params = sizes or parameter_sizes(cfg)
     total = sum(params.values())
@@ -275,7 +257,7 @@ def activation_elements(cfg: ModelConfig, blocks: list[int], mode: str, *, last:
 
 @dataclass
 class Plan:
-    layout: LayoutSpec
+    layout: Degrees
     mode: str
     device: str
     params: int = 0
@@ -305,7 +287,7 @@ class Plan:
         return self.static_bytes + max(backward, self.optimizer_step_bytes)
 
 
-def in_flight_microbatches(layout: LayoutSpec, microbatches: int) -> float:
+def in_flight_microbatches(layout: Degrees, microbatches: int) -> float:
     """Microbatches whose activations pipeline rank 0 holds at once, in units of its whole stage.
     1F1B: pp. Interleaved 1F1B: (vp - 1) * pp + 2 * (pp - 1) + 1 chunk-microbatches warm up before the
     first backward, each 1/vp of the stage (torch.distributed.pipelining, as Megatron)."""
@@ -317,7 +299,7 @@ def in_flight_microbatches(layout: LayoutSpec, microbatches: int) -> float:
     return chunks / layout.vp
 
 
-def plan(cfg: ModelConfig, layout: LayoutSpec, *, seq_len: int, micro_batch: int, microbatches: int, mode: str,
+def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, microbatches: int, mode: str,
          device: str = "cuda", capacity: float = 1.25, runtime_bytes: float = 0,
          counts: list[ParamCount] | None = None, stage: int | None = None, precision: str = "auto") -> Plan:
     """The memory of pipeline rank `stage`, or of the largest one (most parameters + activations).
@@ -380,7 +362,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[LayoutSpec]:
+def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[Degrees]:
     """Every (dp, fsdp, pp, vp, tp, ep) with dp*fsdp*pp*tp = gpus that the model's shape allows:
     tp divides heads, dense width and seq_len (at most `max_tp`: one node); pp*vp <= blocks; ep divides
     dp and the experts; vp in {1, 2}."""
@@ -396,7 +378,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8
                     continue
                 for vp in (1, 2) if pp > 1 else (1,):
                     if pp * vp <= cfg.n_blocks:
-                        out.append(LayoutSpec(dp, fsdp, pp, vp, tp, ep))
+                        out.append(Degrees(dp, fsdp, pp, vp, tp, ep))
     return out
 
 

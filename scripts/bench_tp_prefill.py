@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model import build_model
-from parallel.dims import build_layout, init_distributed, shutdown
+from parallel.dims import Degrees, build_layout, init_distributed, shutdown
 from parallel.parallelize import shard_model
 from parallel.tensor import gather_sequence, local_sequence
 from scripts.bench_inference import block_storage_bytes
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     info = init_distributed()
     tp = info.world_size
-    layout = build_layout(info, 1, 1, tp, 1)
+    layout = build_layout(info, Degrees(tp=tp))
     config = load_config([f"model={args.model}", f"variant={args.variant}"])
     cfg = config.model
     torch.manual_seed(0)

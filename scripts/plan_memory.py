@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from parallel.memory_plan import GIB, MIB, MODES, LayoutSpec, Plan, plan, search
+from parallel.dims import Degrees
+from parallel.memory_plan import GIB, MIB, MODES, Plan, plan, search
 from trainer.config import ConfigError, load_config, validate
 
 LAYOUT_KEYS = ("dp", "fsdp", "pp", "vp", "tp", "ep")
@@ -30,7 +31,7 @@ class PlanError(ValueError):
     """Bad input; the message is one line."""
 
 
-def refusal(cfg, layout: LayoutSpec) -> str | None:
+def refusal(cfg, layout: Degrees) -> str | None:
     """trainer.config.validate's verdict on this layout (None: the trainer runs it today)."""
     trial = copy.deepcopy(cfg)
     trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
@@ -48,7 +49,7 @@ def refusal(cfg, layout: LayoutSpec) -> str | None:
     return None
 
 
-def parse_layout(overrides: list[str], gpus: int) -> tuple[LayoutSpec, list[str]]:
+def parse_layout(overrides: list[str], gpus: int) -> tuple[Degrees, list[str]]:
     values, rest = {}, []
     for item in overrides:
         key, _, value = item.partition("=")
@@ -67,7 +68,7 @@ def parse_layout(overrides: list[str], gpus: int) -> tuple[LayoutSpec, list[str]
     if gpus % ranks:
         raise PlanError(f"--gpus {gpus} is not divisible by parallel.fsdp * parallel.pp * parallel.tp = {ranks}")
     values.setdefault("dp", gpus // ranks)
-    layout = LayoutSpec(**values)
+    layout = Degrees(**values)
     if layout.world != gpus:
         raise PlanError(f"parallel.dp * fsdp * pp * tp = {layout.world} does not match --gpus {gpus}")
     if layout.dp % layout.ep:
@@ -75,7 +76,7 @@ def parse_layout(overrides: list[str], gpus: int) -> tuple[LayoutSpec, list[str]
     return layout, rest
 
 
-def check_shape(cfg, layout: LayoutSpec) -> None:
+def check_shape(cfg, layout: Degrees) -> None:
     m, t = cfg.model, cfg.train
     if m.moe.n_routed_experts % layout.ep:
         raise PlanError(f"parallel.ep={layout.ep} must divide model.moe.n_routed_experts={m.moe.n_routed_experts}")
@@ -86,7 +87,7 @@ def check_shape(cfg, layout: LayoutSpec) -> None:
             raise PlanError(f"{key}={value} must be divisible by parallel.tp={layout.tp}")
 
 
-def microbatches_of(cfg, layout: LayoutSpec, explicit_batch: bool) -> int:
+def microbatches_of(cfg, layout: Degrees, explicit_batch: bool) -> int:
     if not explicit_batch:
         return STEADY_STATE
     t, data = cfg.train, layout.dp * layout.fsdp
@@ -214,8 +215,8 @@ def check_cpu(args) -> None:
           f"{'state MiB':>9} {'load':>5}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, nproc, extra in [run for run in CPU_RUNS if run[0] in args.layouts.split(",")]:
-            layout = {"single": LayoutSpec(), "dp2": LayoutSpec(dp=2), "fsdp2": LayoutSpec(fsdp=2),
-                      "pp2": LayoutSpec(pp=2), "fsdp2_tp2": LayoutSpec(fsdp=2, tp=2)}[name]
+            layout = {"single": Degrees(), "dp2": Degrees(dp=2), "fsdp2": Degrees(fsdp=2),
+                      "pp2": Degrees(pp=2), "fsdp2_tp2": Degrees(fsdp=2, tp=2)}[name]
             data = layout.dp * layout.fsdp
             for mode in ("none", "full"):
                 p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,

@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kernels.select import IMPLS, triton_refusal
 from model.config import VARIANTS, ModelConfig
 from model.init import INIT_SCHEMES
-from parallel.dims import PRECISIONS
+from parallel.dims import PRECISIONS, Degrees
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -343,15 +343,16 @@ def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     """Check the parallel layout against the processes started; returns (data-parallel ranks, i.e. dp *
     fsdp, and microbatches per step)."""
     p, t = cfg.parallel, cfg.train
-    dp = p.dp if p.dp is not None else max(1, world_size // (p.fsdp * p.pp * p.tp))
-    if dp * p.fsdp * p.pp * p.tp != world_size:
+    degrees = Degrees.of(p, world_size)
+    dp = degrees.dp
+    if degrees.world != world_size:
         raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = {dp} * {p.fsdp} * {p.pp} * "
                           f"{p.tp} = {dp * p.fsdp * p.pp * p.tp} does not match the {world_size} processes started "
                           "(torchrun --nproc-per-node x --nnodes)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size dp={dp}: expert-parallel groups "
                           "are carved out of the data-parallel ranks")
-    data_ranks = dp * p.fsdp  # fsdp ranks split the batch like replicas do
+    data_ranks = degrees.data_ranks  # fsdp ranks split the batch like replicas do
     if t.global_batch % (t.micro_batch * data_ranks):
         raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch * dp * "
                           f"fsdp = {t.micro_batch} * {dp} * {p.fsdp}")

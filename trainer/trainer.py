@@ -21,7 +21,7 @@ from model import build_model
 from model.flops import training_flops_per_token
 from model.params import count_parameters
 from parallel.compile import apply_compile
-from parallel.dims import DistInfo, build_layout, barrier, resolve_precision
+from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision
 from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
 from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, pinned_names, read_meta,
@@ -102,7 +102,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         train, parallel = cfg.train, cfg.parallel
         _, self.accumulation = validate_layout(cfg, info.world_size)
-        self.layout = build_layout(info, parallel.dp, parallel.pp, parallel.tp, parallel.ep, parallel.fsdp)
+        self.layout = build_layout(info, Degrees.of(parallel, info.world_size))
         retrofit.check_layout(train, cfg.init_from, info.world_size, parallel.tp, parallel.fsdp)
         self._check_resume_target()
         self._open_data()

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from model import build_model
 from model.residual import DepthGeometry
-from parallel.dims import DistInfo, build_layout
+from parallel.dims import Degrees, DistInfo, build_layout
 from parallel import fsdp
 from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
 from trainer.config import ParallelConfig, load_config
@@ -126,7 +126,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     reference_load = [moe.load_counts.clone() for moe in reference.moe_layers()]
 
     tp = case.get("tp", 1)
-    layout = build_layout(info, case["dp"], 1, tp, 1, case["fsdp"])
+    layout = build_layout(info, Degrees(dp=case["dp"], fsdp=case["fsdp"], tp=tp))
     parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"], tp=tp)
     # Built on meta and filled shard by shard (parallel.fsdp.fill_shards): one process's initial weights.
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
@@ -179,7 +179,7 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
     reference_grads = {name: p.grad for name, p in reference_params.items()}
     reference_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
 
-    layout = build_layout(info, 1, 2, 1, 1, 2)
+    layout = build_layout(info, Degrees(fsdp=2, pp=2))
     parallel = ParallelConfig(dp=1, fsdp=2, pp=2, vp=2, schedule="interleaved_1f1b")
     engine = build_engine(build_model(cfg, device="meta" if on_meta else None), info, layout, parallel, MICRO_BATCH,
                           SEQ, MICROBATCHES, seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
@@ -265,7 +265,7 @@ def memory(info: DistInfo) -> dict:
     torch.manual_seed(0)
     single = adamw_bytes(build_model(cfg))
     dp, fsdp = (2, 2) if info.world_size == 4 else (1, 2)
-    engine = build_engine(build_model(cfg), info, build_layout(info, dp, 1, 1, 1, fsdp),
+    engine = build_engine(build_model(cfg), info, build_layout(info, Degrees(dp=dp, fsdp=fsdp)),
                           ParallelConfig(dp=dp, fsdp=fsdp), MICRO_BATCH, SEQ, MICROBATCHES)
     per_rank = torch.tensor([adamw_bytes(engine.model)], dtype=torch.float64)
     dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)

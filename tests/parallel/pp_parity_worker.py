@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from model import build_model
-from parallel.dims import DistInfo, build_layout
+from parallel.dims import Degrees, DistInfo, build_layout
 from parallel.parallelize import build_engine, cross_entropy
 from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.runner import PipelineRunner
@@ -81,7 +81,7 @@ def bf16_case(variant: str, extra: list[str], info: DistInfo) -> dict:
     reference, reference_loss = reference_step(cfg, batches, bf16_autocast)
     expected = {name: p.grad for name, p in reference.named_parameters()}
 
-    layout = build_layout(info, 1, 2)
+    layout = build_layout(info, Degrees(pp=2))
     parallel = ParallelConfig(pp=2, vp=2, schedule="interleaved_1f1b", pp_cache=True)
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, microbatches,
                           seed=cfg.seed, precision=torch.bfloat16)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from model import build_model
-from parallel.dims import DistInfo, build_layout
+from parallel.dims import Degrees, DistInfo, build_layout
 from parallel import parallelize
 from parallel.parallelize import build_engine, cross_entropy
 from parallel.tensor import local_sequence
@@ -77,7 +77,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
         state = reference.forward_layers(reference.mixer.start(reference.embed(tokens[:MICRO_BATCH, :-1])))
         reference_block_elements = sum(b.numel() for b in state.blocks)
 
-    layout = build_layout(info, dp, case["pp"], case["tp"], case["ep"])
+    layout = build_layout(info, Degrees(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"]))
     parallel = ParallelConfig(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1))
     torch.manual_seed(0)
     engine = build_engine(skew(build_model(cfg), case), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)

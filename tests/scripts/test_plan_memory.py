@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 import scripts.plan_memory as plan_memory
-from parallel.memory_plan import MIB, LayoutSpec, activation_elements, count_rank_parameters, plan
+from parallel.dims import Degrees
+from parallel.memory_plan import MIB, activation_elements, count_rank_parameters, plan
 from trainer.config import load_config
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -21,7 +22,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_parameters_per_rank_sum_to_the_model_over_pp_tp_ep():
     cfg = load_config(["model=m"]).model
-    layout = LayoutSpec(dp=2, pp=2, tp=2, ep=2)
+    layout = Degrees(dp=2, pp=2, tp=2, ep=2)
     counts = count_rank_parameters(cfg, layout)
     replicated = [c.rank - c.routed_experts - c.tp_split for c in counts]
     total = sum(r + c.routed_experts * layout.ep + c.tp_split * layout.tp for r, c in zip(replicated, counts))
@@ -39,8 +40,8 @@ def test_fsdp2_halves_parameters_gradients_and_optimizer_state():
         p = plan(cfg, layout, seq_len=128, micro_batch=2, microbatches=2, mode="none", device="cuda")
         return p.param_bytes + p.grad_bytes + p.optimizer_bytes
 
-    assert state(LayoutSpec(fsdp=2)) == pytest.approx(state(LayoutSpec(dp=2)) / 2)
-    assert state(LayoutSpec(fsdp=4)) == pytest.approx(state(LayoutSpec()) / 4)
+    assert state(Degrees(fsdp=2)) == pytest.approx(state(Degrees(dp=2)) / 2)
+    assert state(Degrees(fsdp=4)) == pytest.approx(state(Degrees()) / 4)
 
 
 @pytest.mark.parametrize("mode, measured_mib", [("none", 722.2), ("full", 60.4), ("selective", 300.7)])
@@ -59,7 +60,7 @@ def test_cli_prints_fits_and_does_not_fit():
     assert fits.returncode == 0, fits.stderr
     assert "\nfits: " in fits.stdout
     assert "layout dp16_pp4_ep16: " in fits.stdout and "  total                      44.45 GiB" in fits.stdout
-    verdict = plan_memory.refusal(load_config(["model=kimi_linear_48b"]), LayoutSpec(dp=16, pp=4, ep=16))
+    verdict = plan_memory.refusal(load_config(["model=kimi_linear_48b"]), Degrees(dp=16, pp=4, ep=16))
     assert ("trainer today: runs it" if verdict is None else f"trainer today: refused ({verdict})") in fits.stdout
     ddp = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "--gpus", "64")
     assert ddp.returncode == 0, ddp.stderr
