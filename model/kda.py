@@ -4,7 +4,9 @@ q, k, v pass through a depthwise causal short convolution and SiLU; q and k are 
 head. A gated delta rule with a per-channel decay mixes tokens (kernels/kda), and the result is
 RMS-normalised per head and gated by a sigmoid before the output projection. Parameter names follow
 flash-linear-attention's KDA layer so checkpoints map one to one. With document_starts (model/documents.py)
-the convolution and the recurrent state restart at every document start.
+the convolution and the recurrent state restart at every document start. With a `sequence_split`
+(model/sequence_split.py) x is one slice of the sequence: the convolution continues from the previous
+slice's last inputs and the recurrence from the state the earlier slices leave.
 """
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import kda_chunk, kda_recurrent
+from kernels.kda import kda_chunk, kda_chunk_from_unknown_start, kda_recurrent
 from model.config import ModelConfig
 from model.documents import check_document_starts, same_document_window
 from model.init import InitStds
 from model.norms import RMSNorm
+from model.sequence_split import SequenceSplit
 
 # The decay's time step dt = softplus(. + dt_bias) starts log-uniform in [DT_MIN, DT_MAX].
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -83,6 +86,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=True))
         self.o_norm = RMSNorm(K, cfg.norm_eps, cfg.kernel_impl)
         self.o_proj = nn.Linear(H * K, d, bias=False)
+        self.sequence_split: SequenceSplit | None = None
 
     def init_weights(self, stds: InitStds) -> None:
         """Projections from the input at the hidden std, o_proj at the output std; the short convolutions
@@ -115,18 +119,25 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         window = None
+        split = self.sequence_split
+        if split is not None and (state is not None or document_starts is not None):
+            raise ValueError("KimiDeltaAttention: a sequence_split (context parallelism) trains whole slices; it "
+                             "takes neither a decoding state nor document_starts")
         if document_starts is not None:
             check_document_starts(document_starts, B, T, state, "KimiDeltaAttention")
             window = same_document_window(document_starts, self.conv_kernel)  # (B, T, W)
-        if state is None:
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (B, T, H*K) each
+        if state is not None:
+            tails = (state.conv_q, state.conv_k, state.conv_v)
+        elif split is not None:  # one exchange for the three convolutions' histories
+            tails = split.previous_rows(torch.cat(projected, dim=-1), self.conv_kernel - 1).chunk(3, dim=-1)
+        else:
             empty_tail = x.new_zeros(B, self.conv_kernel - 1, H * K)
             tails = (empty_tail, empty_tail, empty_tail)
-        else:
-            tails = (state.conv_q, state.conv_k, state.conv_v)
 
-        q, tail_q = _short_conv(self.q_conv1d, self.q_proj(x), tails[0], window)  # (B, T, H*K)
-        k, tail_k = _short_conv(self.k_conv1d, self.k_proj(x), tails[1], window)  # (B, T, H*K)
-        v, tail_v = _short_conv(self.v_conv1d, self.v_proj(x), tails[2], window)  # (B, T, H*K)
+        q, tail_q = _short_conv(self.q_conv1d, projected[0], tails[0], window)  # (B, T, H*K)
+        k, tail_k = _short_conv(self.k_conv1d, projected[1], tails[1], window)  # (B, T, H*K)
+        v, tail_v = _short_conv(self.v_conv1d, projected[2], tails[2], window)  # (B, T, H*K)
         q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
         k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
         v = v.view(B, T, H, K)  # (B, T, H, V)
@@ -134,7 +145,10 @@ class KimiDeltaAttention(nn.Module):
         dt = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)  # (B, T, H, K)
         g = -self.A_log.float().exp().view(H, 1) * dt  # (B, T, H, K), log decay <= 0
 
-        if state is None:
+        if split is not None:
+            o = kda_chunk_from_unknown_start(q, k, v, g, beta, self.scale, self.chunk_size, split.start_state,
+                                             impl=self.kernel_impl)
+        elif state is None:
             o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl,
                              resets=document_starts)
         elif T == 1:  # decode step: the plain recurrence, no chunk padding

@@ -1,6 +1,8 @@
 """Multi-head latent attention as in Kimi Linear: NoPE (nothing is rotated), no query compression,
 and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. With
-document_starts (model/documents.py) the causal mask is block-diagonal: a query sees its own document."""
+document_starts (model/documents.py) the causal mask is block-diagonal: a query sees its own document. With a
+`sequence_split` (model/sequence_split.py) x is one slice of the sequence, and its queries also attend to the
+kv latents of the slices before it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from model.config import ModelConfig
 from model.documents import check_document_starts, same_document_causal_mask
 from model.init import InitStds
 from model.norms import RMSNorm
+from model.sequence_split import SequenceSplit
 
 
 @dataclass
@@ -49,6 +52,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps, cfg.kernel_impl)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.d_model, bias=False)
+        self.sequence_split: SequenceSplit | None = None
 
     def init_weights(self, stds: InitStds) -> None:
         for proj in (self.q_proj, self.kv_a_proj, self.kv_b_proj):
@@ -68,6 +72,10 @@ class MultiHeadLatentAttention(nn.Module):
         document_starts (B, T) bool, training only: no query sees an earlier document."""
         B, T, _ = x.shape
         H = self.n_heads
+        split = self.sequence_split
+        if split is not None and (cache is not None or document_starts is not None):
+            raise ValueError("MultiHeadLatentAttention: a sequence_split (context parallelism) trains whole slices; "
+                             "it takes neither a decoding cache nor document_starts")
         if document_starts is not None:
             check_document_starts(document_starts, B, T, cache, "MultiHeadLatentAttention")
         q = self.q_proj(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
@@ -79,6 +87,10 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:
             past = cache.length
             latent, k_rope = cache.append(latent, k_rope)  # (B, S, rank), (B, S, rope); S = past + T
+        elif split is not None:  # the earlier slices' tokens are this slice's past, gradients included
+            latent, k_rope = split.through_mine(torch.cat([latent, k_rope], dim=-1)).split(
+                [self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, S, rank), (B, S, rope)
+            past = latent.shape[1] - T
         S = latent.shape[1]
 
         kv = self.kv_b_proj(latent).view(B, S, H, self.nope_dim + self.v_dim)  # (B, S, H, nope+v)
@@ -86,7 +98,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = k_rope.unsqueeze(2).expand(B, S, H, self.rope_dim)  # (B, S, H, rope): one slice for all heads
         k = torch.cat([k_nope, k_rope], dim=-1)  # (B, S, H, nope+rope)
 
-        # With a past, is_causal would align the triangle top-left; query i sits at absolute position past + i.
+        # With a past (cached or on earlier slices), is_causal would align the triangle top-left; query i sits
+        # at absolute position past + i.
         mask = None
         if past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)

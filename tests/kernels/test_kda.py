@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import kda_chunk, kda_recurrent
+from kernels.kda import kda_chunk, kda_chunk_from_unknown_start, kda_recurrent
 
 B, H, K, V = 2, 2, 16, 12
 SCALE = K ** -0.5
@@ -94,3 +94,42 @@ def test_chunk_gradcheck_in_fp64(monkeypatch):
         return kda_chunk(q, k, v, g, beta, SCALE, 12, state0, output_final_state=True)
 
     assert torch.autograd.gradcheck(run, leaves)
+
+
+def pieces_in_order(inputs, bounds, chain: bool):
+    """Run kda_chunk_from_unknown_start on consecutive pieces [bounds[i], bounds[i+1]) of the sequence, each
+    piece's start state chained from the earlier pieces' (final state from zero, transition) as context
+    parallelism's ranks do; chain=False starts every piece from zero (the negative control)."""
+    carried = torch.zeros(B, H, K, V)
+    outputs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        def start_state(final, transition):
+            nonlocal carried
+            start = carried if chain else torch.zeros_like(carried)
+            carried = transition @ carried + final  # (B, H, K, V)
+            return start
+        piece = [t[:, lo:hi] for t in inputs]
+        outputs.append(kda_chunk_from_unknown_start(*piece, SCALE, 16, start_state))
+    return torch.cat(outputs, dim=1)  # (B, T, H, V)
+
+
+@pytest.mark.parametrize("bounds", [(0, 50, 100), (0, 7, 40, 41, 100)])
+def test_pieces_with_chained_start_states_equal_the_whole_sequence(bounds):
+    """Context parallelism's KDA: outputs and the gradients of q, k, v, g, beta equal one run over the whole
+    sequence; starting each piece from zero instead is off by orders of magnitude more."""
+    inputs = make_inputs(100, seed=4)
+    grad_o = torch.randn(B, 100, H, V, generator=torch.Generator().manual_seed(5))
+
+    def run(kernel):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o = kernel(leaves)
+        o.backward(grad_o)
+        return o.detach(), [leaf.grad for leaf in leaves]
+
+    o_whole, grads_whole = run(lambda leaves: kda_chunk(*leaves, SCALE, 16)[0])
+    o_split, grads_split = run(lambda leaves: pieces_in_order(leaves, bounds, chain=True))
+    torch.testing.assert_close(o_split, o_whole, atol=2e-5, rtol=0)
+    for name, got, want in zip("q k v g beta".split(), grads_split, grads_whole):
+        torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=0, msg=name)
+    unchained = pieces_in_order(inputs, bounds, chain=False)
+    assert (unchained - o_whole).abs().max() > 1e-2
