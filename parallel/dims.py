@@ -71,44 +71,54 @@ class Degrees:
     `parallel.*` (`Degrees.of`), `build_layout` builds the mesh from it, and the memory planner plans and
     names it. `dp` counts replicas; fsdp ranks shard one replica and see different data too, so the
     ranks splitting a batch are `data_ranks = dp * fsdp`; ep is carved out of dp; vp is the virtual
-    pipeline stages (chunks) per pipeline rank."""
+    pipeline stages (chunks) per pipeline rank; cp ranks hold contiguous slices of the same sequences."""
     dp: int = 1
     fsdp: int = 1
     pp: int = 1
     vp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def of(cls, parallel, world_size: int) -> Degrees:
-        """From a `parallel` config (fields dp, fsdp, pp, vp, tp, ep); dp=None takes what fsdp, pp and tp
-        leave of `world_size`."""
-        dp = parallel.dp if parallel.dp is not None else max(1, world_size // (parallel.fsdp * parallel.pp * parallel.tp))
-        return cls(dp, parallel.fsdp, parallel.pp, parallel.vp, parallel.tp, parallel.ep)
+        """From a `parallel` config (fields dp, fsdp, cp, pp, vp, tp, ep); dp=None takes what fsdp, cp, pp and
+        tp leave of `world_size`."""
+        others = parallel.fsdp * parallel.cp * parallel.pp * parallel.tp
+        dp = parallel.dp if parallel.dp is not None else max(1, world_size // others)
+        return cls(dp, parallel.fsdp, parallel.pp, parallel.vp, parallel.tp, parallel.ep, parallel.cp)
 
     @property
     def world(self) -> int:
-        return self.dp * self.fsdp * self.pp * self.tp
+        return self.dp * self.fsdp * self.cp * self.pp * self.tp
 
     @property
     def data_ranks(self) -> int:
         return self.dp * self.fsdp
 
+    @property
+    def sequence_ranks(self) -> int:
+        """Ranks holding slices of one sequence: cp's slices, each cut again by tp's sequence parallelism."""
+        return self.cp * self.tp
+
     def name(self) -> str:
         """'dp2_fsdp2_pp2' (the degrees above 1, in mesh order), 'single' for one rank."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
+        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "cp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
         return "_".join(parts) or "single"
 
 
 @dataclass
 class Layout:
-    """Where this rank sits in the (dp, fsdp, pp, tp) mesh of `degrees`, and the groups it talks to.
+    """Where this rank sits in the (dp, fsdp, cp, pp, tp) mesh of `degrees`, and the groups it talks to.
 
     `dp` is the ranks that see different data (`degrees.data_ranks`: replicas times fsdp shards;
     `dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
     gradients and optimizer state over the `fsdp` ranks of one replica (`fsdp_mesh`: 1-D, or 2-D
-    (replica, shard) for HSDP). Expert parallelism splits each dp group into ep-sized groups that share
-    one copy of the routed experts (`ep_group`); `expert_dp_group` links the ranks holding the same expert shard."""
+    (replica, shard) for HSDP), and over the cp ranks too. Expert parallelism splits each dp group into
+    ep-sized groups that share one copy of the routed experts (`ep_group`); `expert_dp_group` links the
+    ranks holding the same expert shard. Context parallelism gives the `cp` ranks of `cp_group` slice
+    `cp_rank` of the same sequences; a parameter's gradient is averaged over `dp_cp_group`, the data
+    ranks times the cp ranks (the same ranks as `dp_group` without cp)."""
     degrees: Degrees = Degrees()
     dp_rank: int = 0
     pp_rank: int = 0
@@ -119,8 +129,11 @@ class Layout:
     tp_group: object | None = None
     ep_group: object | None = None
     expert_dp_group: object | None = None
-    mesh: object | None = None  # DeviceMesh (dp_rep, ep, fsdp, pp, tp); checkpoints place shards on it
+    mesh: object | None = None  # DeviceMesh (dp_rep, ep, fsdp, cp, pp, tp); checkpoints place shards on it
     fsdp_mesh: object | None = None  # what fully_shard gets: ("fsdp",) or ("dp_rep", "fsdp") for HSDP
+    cp_rank: int = 0
+    cp_group: object | None = None
+    dp_cp_group: object | None = None
 
     @property
     def dp(self) -> int:
@@ -142,20 +155,37 @@ class Layout:
     def ep(self) -> int:
         return self.degrees.ep
 
+    @property
+    def cp(self) -> int:
+        return self.degrees.cp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.degrees.data_ranks * self.degrees.cp
+
 
 def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
-    """A (dp, fsdp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
-    neighbours and fsdp inside dp so a replica's shards are too. dp is split as (dp / ep, ep) for the experts."""
+    """A (dp, fsdp, cp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
+    neighbours, then cp, and fsdp inside dp so a replica's shards are too. dp is split as (dp / ep, ep)
+    for the experts. FSDP shards over fsdp x cp (torchtitan's dp_shard_cp): cp ranks hold the same
+    parameters and average their gradients, as data ranks do."""
     if info.world_size == 1:
         return Layout()
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, fsdp, pp, tp, ep = degrees.dp, degrees.fsdp, degrees.pp, degrees.tp, degrees.ep
-    mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, pp, tp),
-                            mesh_dim_names=("dp_rep", "ep", "fsdp", "pp", "tp"))
+    dp, fsdp, cp, pp, tp, ep = degrees.dp, degrees.fsdp, degrees.cp, degrees.pp, degrees.tp, degrees.ep
+    mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, cp, pp, tp),
+                            mesh_dim_names=("dp_rep", "ep", "fsdp", "cp", "pp", "tp"))
     data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
     fsdp_mesh, expert_dp_group = None, mesh.get_group("dp_rep")
-    if fsdp > 1 and ep > 1:
+    dp_cp_group = data_mesh.get_group()
+    if cp > 1:
+        dp_cp_mesh = mesh["dp_rep", "ep", "fsdp", "cp"]._flatten("dp_cp")
+        dp_cp_group = dp_cp_mesh.get_group()
+        if fsdp > 1:
+            fsdp_mesh = (dp_cp_mesh._unflatten(0, (dp, fsdp * cp), ("replica", "fsdp_cp")) if dp > 1
+                         else mesh["fsdp", "cp"]._flatten("fsdp_cp"))
+    elif fsdp > 1 and ep > 1:
         # fsdp x ep: the shards' replicas are all dp ranks (ep ones included), while the ranks holding
         # the same experts (replicated, not fsdp-sharded) are the dp_rep x fsdp ranks of one ep index.
         fsdp_mesh = data_mesh._unflatten(0, (dp, fsdp), ("replica", "fsdp"))
@@ -164,4 +194,5 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
         fsdp_mesh = mesh["dp_rep", "fsdp"] if dp > 1 else mesh["fsdp"]
     return Layout(degrees, data_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
                   mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
-                  mesh.get_group("ep"), expert_dp_group, mesh, fsdp_mesh)
+                  mesh.get_group("ep"), expert_dp_group, mesh, fsdp_mesh, mesh.get_local_rank("cp"),
+                  mesh.get_group("cp"), dp_cp_group)

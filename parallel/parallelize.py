@@ -1,7 +1,8 @@
 """The one place that knows both the model and the parallel layout.
 
 `parallelize` shards a model in torchtitan's order: tensor + sequence parallelism (tp) and expert
-parallelism (ep) slice its parameters in place, then FSDP2 (parallel/fsdp.py) shards what each rank
+parallelism (ep) slice its parameters in place, context parallelism (cp) links its token mixers across the
+slices of a sequence, then FSDP2 (parallel/fsdp.py) shards what each rank
 holds over the fsdp ranks, with the whole model as its root (pp == 1) or each of this rank's pipeline
 chunks. `materialise_parallel` wraps it for every layout: a model on the meta device is sharded there
 and then filled from an unsharded meta copy one init unit at a time, so a rank allocates only its part.
@@ -33,11 +34,13 @@ from model.documents import document_starts
 from model.init import materialise
 from model.residual import DepthGeometry
 from parallel.checkpointing import apply_activation_checkpointing
+from parallel.context import apply_context_parallel
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
 from parallel.fill import fill_shards
 from parallel.fsdp import apply_fsdp
-from parallel.tensor import Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads
+from parallel.tensor import (Shards, apply_tensor_parallel, local_sequence, reduce_replicated_grads,
+                             total_balance_over_sequence)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,16 +67,18 @@ def rank_share(items: list, layout: Layout, lockstep: bool):
 
 
 def shard_model(model: Decoder, layout: Layout) -> Shards:
-    """Split the model in place for tp and ep (no-ops when both are 1)."""
+    """Split the model in place for tp and ep, and link its token mixers over cp (no-ops at 1)."""
     shards = Shards(mesh=layout.mesh)
     apply_tensor_parallel(model, layout, shards)
     apply_expert_parallel(model, layout, shards)
+    apply_context_parallel(model, layout)
+    total_balance_over_sequence(model, layout)
     return shards
 
 
 def parallelize(model: Decoder, layout: Layout, precision: torch.dtype,
                 fsdp_roots: list[nn.Module] | None = None) -> Shards:
-    """tp, then ep, then FSDP2 over `fsdp_roots` (default: the whole model; under pp, this rank's
+    """tp, then ep, then cp, then FSDP2 over `fsdp_roots` (default: the whole model; under pp, this rank's
     chunks, which keep their parameters gathered from a microbatch's forward to its backward). The ep
     slices of the routed experts stay out of FSDP: their ranks already split them, and their gradients
     are averaged over the ranks holding the same experts (finish_gradients)."""
@@ -112,8 +117,8 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
             if p.grad is None:  # no token reached this rank's experts; its peers still reduce
                 p.grad = torch.zeros_like(p)
             _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp)
-        elif p.grad is not None and not dp_averaged and layout.dp > 1:
-            _all_reduce(p.grad, layout.dp_group).div_(layout.dp)
+        elif p.grad is not None and not dp_averaged and layout.dp_cp > 1:
+            _all_reduce(p.grad, layout.dp_cp_group).div_(layout.dp_cp)
 
 
 class DataParallelEngine:
@@ -137,20 +142,21 @@ class DataParallelEngine:
         self.shards = materialise_parallel(model, info, layout, seed, precision)
         self.model = self.wrapped = model
         self.lockstep = layout.ep > 1 or layout.fsdp > 1
-        if layout.dp > 1 and layout.fsdp == 1:
+        if layout.dp_cp > 1 and layout.fsdp == 1:
             # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
             # forward: the MoE bias moves the same way everywhere, and syncing would overwrite the
             # per-rank expert load counts between micro-batches.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(self.shards))
             # device_ids=None on CUDA too (a single-device module: DDP takes its device, and the batches
             # are already there), so the CPU tests run the same construction as a GPU job.
-            self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_group,
+            self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_cp_group,
                                                    forward_sync_buffers=False)
         self.grads_dp_averaged = self.wrapped is not self.model or layout.fsdp > 1
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """Mean loss of the step over all tokens of all ranks. Under tp every rank runs its slice of
-        the sequence; the loss is scaled by 1/tp so the summed gradients are the full-sequence mean."""
+        the sequence; the loss is scaled by 1/tp so the summed gradients are the full-sequence mean. Under
+        cp each rank's loss is the mean over its slice, and averaging over dp_cp makes the whole mean."""
         total = torch.zeros((), device=self.info.device)
         tp = self.layout.tp
         for index, (inputs, targets) in enumerate(micro_batches):
@@ -167,7 +173,7 @@ class DataParallelEngine:
             total += loss.detach()
         finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.grads_dp_averaged)
         total = _all_reduce(total / (len(micro_batches) * tp), self.layout.tp_group)
-        return _all_reduce(total, self.layout.dp_group) / self.layout.dp
+        return _all_reduce(total, self.layout.dp_cp_group) / self.layout.dp_cp
 
     @torch.no_grad()
     def evaluate(self, batches, autocast) -> tuple[float, int]:
@@ -183,7 +189,8 @@ class DataParallelEngine:
                 loss_sum += cross_entropy(logits, targets).item() * targets.numel()
                 tokens += targets.numel()
         self.model.train()
-        totals = _all_reduce(torch.tensor([loss_sum, tokens], dtype=torch.float64), self.layout.tp_group)
+        totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+        totals = _all_reduce(_all_reduce(totals, self.layout.tp_group), self.layout.cp_group)
         return totals[0].item(), int(totals[1].item())
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -276,6 +283,8 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
     if document_boundary is not None and layout.pp > 1:
         raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
+    if layout.cp > 1 and (layout.pp > 1 or layout.ep > 1 or document_boundary is not None):
+        raise ValueError(f"parallel.cp={layout.cp} does not compose with pp, ep or document masking yet")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
         return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
@@ -291,6 +300,7 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
     parameters over the pipeline group."""
     device = next(model.parameters()).device
     squares = {kind: torch.zeros((), device=device) for kind in ("tp", "ep", None)}
+    dtensor_groups = {}  # kind -> the groups its squares are summed over
     grads = []
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -298,15 +308,18 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
         grads.append(p.grad)
         grad, kind = p.grad.detach(), shards.kind(name)
         if isinstance(grad, DTensor):  # FSDP's shard: of a tp slice too under fsdp x tp
-            kind = tuple(dim for dim, placement in zip(grad.device_mesh.mesh_dim_names, grad.placements)
-                         if placement.is_shard()) + (("tp",) if kind == "tp" else ())
+            mesh = grad.device_mesh
+            sharded = [i for i, placement in enumerate(grad.placements) if placement.is_shard()]
+            tp_slice = kind == "tp"
+            kind = tuple(mesh.mesh_dim_names[i] for i in sharded) + (("tp",) if tp_slice else ())
+            dtensor_groups.setdefault(kind, [mesh.get_group(i) for i in sharded] + ([layout.tp_group] if tp_slice else []))
             grad = grad.to_local()
         squares[kind] = squares.get(kind, torch.zeros((), device=device)) + grad.float().pow(2).sum()
     local = (squares.pop(None) + _all_reduce(squares.pop("tp"), layout.tp_group)
              + _all_reduce(squares.pop("ep"), layout.ep_group))
-    for mesh_dims, value in squares.items():
-        for dim in mesh_dims:
-            value = _all_reduce(value, layout.mesh.get_group(dim))
+    for kind, value in squares.items():
+        for group in dtensor_groups[kind]:
+            value = _all_reduce(value, group)
         local = local + value
     norm = math.sqrt(_all_reduce(local, layout.pp_group).item())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
@@ -329,7 +342,7 @@ def moe_load_imbalance(model: Decoder, layout: Layout) -> float:
 @torch.no_grad()
 def sync_moe_load(model: Decoder, layout: Layout) -> None:
     """Sum expert load over the ranks that routed different tokens (dp, which counts the fsdp shards,
-    and tp's sequence slices) so every rank nudges its balancing bias the same way."""
+    and cp's and tp's sequence slices) so every rank nudges its balancing bias the same way."""
     for moe in model.moe_layers():
-        _all_reduce(_all_reduce(moe.load_counts, layout.dp_group), layout.tp_group)
+        _all_reduce(_all_reduce(moe.load_counts, layout.dp_cp_group), layout.tp_group)
 

@@ -122,8 +122,10 @@ def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def local_sequence(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """This rank's slice of the sequence dimension (dim 1) of a full-sequence tensor."""
-    return x.chunk(layout.tp, dim=1)[layout.tp_rank] if layout.tp > 1 else x
+    """This rank's slice of the sequence dimension (dim 1) of a full-sequence tensor: context parallelism's
+    slice (parallel/context.py), cut again by tp (the tp regions gather the tp slices back into it)."""
+    pieces = layout.degrees.sequence_ranks
+    return x.chunk(pieces, dim=1)[layout.cp_rank * layout.tp + layout.tp_rank] if pieces > 1 else x
 
 
 def _region(module: nn.Module, group) -> None:
@@ -173,23 +175,33 @@ def _shard_swiglu(shards: Shards, mlp: SwiGLU, prefix: str, rank: int, tp: int) 
 
 
 class SequenceTotals:
-    """Replaces MoE.sequence_totals under tp: each rank routes its T/tp tokens of every sequence, so the
-    sequence-level balance loss sums its per-sequence counts and probabilities over the tp group. The
-    probabilities' sum is autograd-aware (its backward sums the gradients too), so every rank's tokens
-    get the whole loss's gradient; the replicated router's gradient is then summed over tp as usual."""
+    """Replaces MoE.sequence_totals when ranks hold slices of every sequence (tp's sequence parallelism, cp):
+    the sequence-level balance loss sums its per-sequence counts and probabilities over those ranks. The
+    probabilities' sum is autograd-aware (its backward sums the gradients too), so every rank's tokens get
+    the whole loss's gradient; the replicated router's gradient is then summed as usual."""
 
-    def __init__(self, group, tp: int):
-        self.group, self.tp = group, tp
+    def __init__(self, groups: list, ranks: int):
+        self.groups, self.ranks = groups, ranks
 
     def __call__(self, routed: torch.Tensor, prob_sums: torch.Tensor, tokens: int):
         routed = routed.clone()
-        dist.all_reduce(routed, group=self.group)
-        return routed, dist_nn.all_reduce(prob_sums, group=self.group), tokens * self.tp
+        for group in self.groups:
+            dist.all_reduce(routed, group=group)
+            prob_sums = dist_nn.all_reduce(prob_sums, group=group)
+        return routed, prob_sums, tokens * self.ranks
+
+
+def total_balance_over_sequence(model: Decoder, layout: Layout) -> None:
+    """Under tp or cp, total every MoE layer's sequence-level balance loss over the ranks of a sequence."""
+    groups = [group for group, size in ((layout.tp_group, layout.tp), (layout.cp_group, layout.cp)) if size > 1]
+    if groups:
+        for moe in model.moe_layers():
+            moe.sequence_totals = SequenceTotals(groups, layout.degrees.sequence_ranks)
 
 
 def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> None:
-    """Split the token mixers and dense MLPs of `model` (in place) over the tp group; the MoE layers
-    keep their experts and total their balance loss over the group."""
+    """Split the token mixers and dense MLPs of `model` (in place) over the tp group; the MoE layers keep
+    their experts (total_balance_over_sequence sums their balance loss over the group)."""
     if layout.tp == 1:
         return
     rank, tp, group = layout.tp_rank, layout.tp, layout.tp_group
@@ -203,8 +215,6 @@ def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> Non
         if isinstance(block.mlp, SwiGLU):
             _shard_swiglu(shards, block.mlp, prefix + "mlp.", rank, tp)
             _region(block.mlp, group)
-        elif isinstance(block.mlp, MoE):
-            block.mlp.sequence_totals = SequenceTotals(group, tp)
 
 
 def reduce_replicated_grads(model: nn.Module, shards: Shards, group) -> None:

@@ -96,7 +96,7 @@ class LoggingConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int | None = None             # data-parallel replicas; null: world size / (fsdp * pp * tp)
+    dp: int | None = None             # data-parallel replicas; null: world size / (fsdp * cp * pp * tp)
     fsdp: int = 1                     # ranks sharding parameters, gradients and optimizer state (FSDP2) per replica
     pp: int = 1                       # pipeline ranks
     vp: int = 1                       # virtual stages (chunks) per pipeline rank
@@ -104,6 +104,7 @@ class ParallelConfig:
     pp_cache: bool = True             # cross-stage caching of block representations
     tp: int = 1                       # tensor + sequence parallel ranks (heads, MLP channels, sequence)
     ep: int = 1                       # expert-parallel ranks, carved out of dp: routed experts split ep ways
+    cp: int = 1                       # context-parallel ranks: each holds a contiguous slice of every sequence
 
 
 @dataclass
@@ -289,6 +290,10 @@ def check_values(cfg: Config) -> Config:
             if value % p.tp:
                 raise ConfigError(f"{key}={value} must be divisible by parallel.tp={p.tp} (heads, channels and "
                                   "the sequence are split tp ways)")
+    if p.cp < 1:
+        raise ConfigError(f"parallel.cp={p.cp} must be a positive number of ranks")
+    if p.cp > 1:
+        _validate_context_parallel(cfg)
     if m.moe.n_routed_experts % p.ep:
         raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
@@ -310,6 +315,24 @@ def check_values(cfg: Config) -> Config:
     _validate_throughput_options(cfg)
     _validate_retrofit_options(cfg)
     return cfg
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    pieces = p.cp * p.tp
+    if t.seq_len % pieces:
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.cp * parallel.tp = {p.cp} * "
+                          f"{p.tp} (every rank holds an equal slice of each sequence)")
+    history = cfg.model.kda.conv_kernel - 1
+    if t.seq_len // p.cp < history:
+        raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice is fewer than the "
+                          f"{history} a KDA short convolution reads from the slice before (model.kda.conv_kernel - 1)")
+    unsupported = [f"{key}" for key, on in (("parallel.pp > 1", p.pp > 1), ("parallel.ep > 1", p.ep > 1),
+                                             ("fsdp x tp", p.fsdp > 1 and p.tp > 1),
+                                             ("data.document_masking=true", cfg.data.document_masking)) if on]
+    if unsupported:
+        raise ConfigError(f"parallel.cp={p.cp} does not compose with {', '.join(unsupported)} yet; cp composes "
+                          "with dp, fsdp and tp")
 
 
 # -- retrofitting (init_from, train.trainable, train.unfreeze_after; trainer/retrofit.py) ----------------
@@ -346,8 +369,8 @@ def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     degrees = Degrees.of(p, world_size)
     dp = degrees.dp
     if degrees.world != world_size:
-        raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = {dp} * {p.fsdp} * {p.pp} * "
-                          f"{p.tp} = {dp * p.fsdp * p.pp * p.tp} does not match the {world_size} processes started "
+        raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = {dp} * {p.fsdp} * "
+                          f"{p.cp} * {p.pp} * {p.tp} = {degrees.world} does not match the {world_size} processes started "
                           "(torchrun --nproc-per-node x --nnodes)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size dp={dp}: expert-parallel groups "

@@ -402,7 +402,7 @@ class Trainer:
                   f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
                   f"world={info.world_size} ({info.backend or 'single process'}, {info.device}, "
                   f"{'bf16' if self.precision == torch.bfloat16 else 'fp32'}; "
-                  f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) pp={self.layout.pp} tp={self.layout.tp} "
+                  f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) cp={self.layout.cp} pp={self.layout.pp} tp={self.layout.tp} "
                   f"ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
         peak = (f"peak {self.peak_tflops:g} TFLOP/s per rank" if self.peak_tflops is not None

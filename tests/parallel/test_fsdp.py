@@ -217,7 +217,7 @@ def test_fsdp_ranks_split_the_batch_like_replicas(overrides, world, expected):
 
 
 @pytest.mark.parametrize("overrides, world, fragment", [
-    (["parallel=dp2_fsdp2"], 2, "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 2 * 2 * 1 * 1 = 4 "
+    (["parallel=dp2_fsdp2"], 2, "parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 2 * 2 * 1 * 1 * 1 = 4 "
                                 "does not match the 2 processes"),
     (["parallel=dp2_fsdp2"], 4, "train.global_batch=16 must be a multiple of train.micro_batch * dp * fsdp = 8 * 2 * 2"),
 ])

@@ -98,7 +98,7 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
 
 @pytest.mark.parametrize("overrides, world, fragment", [
     (["parallel=pp2_vp2", "train.micro_batch=2", "train.global_batch=6"], 2, "multiple of parallel.pp=2"),
-    (["parallel=dp2_pp2_vp2"], 2, "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 2 * 1 * 2 * 1 = 4 does not match the 2 processes"),
+    (["parallel=dp2_pp2_vp2"], 2, "parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 2 * 1 * 1 * 2 * 1 = 4 does not match the 2 processes"),
     (["parallel=dp2", "train.micro_batch=8", "train.global_batch=8"], 2, "train.micro_batch * dp * fsdp = 8 * 2 * 1"),
 ])
 def test_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):

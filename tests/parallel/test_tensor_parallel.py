@@ -1,6 +1,7 @@
-"""Tensor + sequence parallelism and expert parallelism: one step equals one process (tp=2, dp=2 x
-ep=2, tp=2 x pp=2, dp=2 x tp=2 x ep=2), each rank stores N*T/tp*d block elements, the trainer trains
-and checkpoints move between these layouts and one process, bad layouts are refused in one line."""
+"""Tensor + sequence, context and expert parallelism: one step equals one process (tp=2, dp=2 x ep=2,
+tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2, cp=2 x tp=2, fsdp=2 x cp=2), each rank stores N*T/(cp*tp)*d block
+elements, the trainer trains and checkpoints move between these layouts and one process, bad layouts are
+refused in one line."""
 import json
 import os
 import subprocess
@@ -17,24 +18,31 @@ from trainer.trainer import Trainer
 WORKER = Path(__file__).with_name("tp_parity_worker.py")
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 7), (4, 3)])
-def test_one_step_under_tp_and_ep_equals_one_process(nproc, expected_cases):
-    """Loss, every gradient and the gradient norm of one step (the sequence-level balance loss included
-    in one tp2 case); negative controls: replicated gradients left incomplete over tp, and (2 ranks)
-    each rank's balance loss over its own slice of the sequences."""
-    cases, (control, *aux_control) = launch_parity_worker(WORKER, nproc)
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 11), (4, 5)])
+def test_one_step_under_tp_cp_and_ep_equals_one_process(nproc, expected_cases):
+    """Loss, every gradient, the gradient norm and the expert load of one step (the sequence-level balance
+    loss included in one tp2 and one cp2 case); negative controls: replicated gradients left incomplete over
+    tp, and (2 ranks) each rank's balance loss over its own slice of the sequences, and cp2 with every
+    slice's KDA recurrence started from zero (no state passing)."""
+    cases, (control, *extra_controls) = launch_parity_worker(WORKER, nproc)
     assert len(cases) == expected_cases
     if nproc == 2:
-        (aux_control,) = aux_control
+        aux_control, no_state_passing = extra_controls
         print(f"balance loss over slices instead of whole sequences: gradient error {aux_control['grad_error']:.2e}")
         assert aux_control["grad_error"] > 1e-4, aux_control
+        print(f"cp2 without KDA state passing: loss error {no_state_passing['loss_error']:.2e}, "
+              f"gradient error {no_state_passing['grad_error']:.2e}")
+        assert no_state_passing["loss_error"] > 1e-4 and no_state_passing["grad_error"] > 1e-3, no_state_passing
     for case in cases:
+        # fp32 sums in another order (slices, heads, chained states): measured at most 1e-6 (cp's state
+        # chain included) against losses of ~6 and gradients of ~1.
         assert case["loss_error"] < 2e-6, case
         assert case["grad_error"] < 2e-6, case
         assert case["grad_norm_error"] < 2e-6, case
-        if case["pp"] == 1:  # sequence-sharded block storage: N*T/tp*d per rank
+        assert case["load_error"] == 0, case  # the same top-k choices for every token
+        if case["block_elements"] >= 0:  # sequence-sharded block storage: N*T/(cp*tp)*d per rank
             assert case["block_elements"] == case["block_elements_formula"], case
-            assert case["block_elements"] * case["tp"] == case["reference_block_elements"], case
+            assert case["block_elements"] * case["tp"] * case.get("cp", 1) == case["reference_block_elements"], case
     assert control["grad_error"] > 1e-3, control
 
 
@@ -52,14 +60,14 @@ def losses(run_dir):
 TP_MUON_TOLERANCE = 2e-4
 
 
-def test_checkpoints_move_between_tp_or_ep_and_one_process(tmp_path, tiny_dataset):
-    """tp2 and dp2_ep2 each train like one process (train and validation losses); stopped half-way a run
-    resumes in one process, and a single-process checkpoint resumes in the layout, both with the same
-    losses; the same both ways for tp2 under optim=muon. The six layout runs share one torchrun launch."""
+def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tmp_path, tiny_dataset):
+    """tp2, dp2_ep2 and cp2 each train like one process (train and validation losses); stopped half-way a
+    run resumes in one process, and a single-process checkpoint resumes in the layout, both with the same
+    losses; the same both ways for tp2 under optim=muon. The eight layout runs share one torchrun launch."""
     straight = tmp_path / "straight"
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
     reference, reference_val = losses(straight)
-    layouts, runs = ("tp2", "dp2_ep2"), []
+    layouts, runs = ("tp2", "dp2_ep2", "cp2"), []
     for parallel in layouts:
         single_first = tmp_path / parallel / "single_first"
         Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 3})),
@@ -106,6 +114,11 @@ def test_checkpoints_move_between_tp_or_ep_and_one_process(tmp_path, tiny_datase
     (["parallel=tp2", "train.seq_len=129"], "train.seq_len=129 must be divisible by parallel.tp=2"),
     (["parallel=dp2_ep2", "model=xs", "model.moe.n_routed_experts=3", "model.moe.top_k=2"],
      "model.moe.n_routed_experts=3 must be divisible by parallel.ep=2"),
+    (["parallel=cp2", "parallel.tp=2", "train.seq_len=130"],
+     r"train.seq_len=130 must be divisible by parallel.cp \* parallel.tp = 2 \* 2"),
+    (["parallel=cp2", "parallel.cp=64", "train.seq_len=128"], "train.seq_len / parallel.cp = 2 tokens per slice"),
+    (["parallel=cp2", "parallel.pp=2", "data.document_masking=true"],
+     "parallel.cp=2 does not compose with parallel.pp > 1, data.document_masking=true yet"),
 ])
 def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -113,7 +126,7 @@ def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, f
 
 
 @pytest.mark.parametrize("overrides, world, fragment", [
-    (["parallel=tp2_pp2"], 2, "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 1 * 1 * 2 * 2 = 4 does not match the 2"),
+    (["parallel=tp2_pp2"], 2, "parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 1 * 1 * 1 * 2 * 2 = 4 does not match the 2"),
     (["parallel=dp2_ep2", "parallel.dp=1", "parallel.tp=2"], 2, "parallel.ep=2 must divide the data-parallel size dp=1"),
 ])
 def test_tp_and_ep_layouts_that_do_not_fit_the_processes_are_refused(overrides, world, fragment):

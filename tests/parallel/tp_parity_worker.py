@@ -1,11 +1,11 @@
-"""Run under torchrun (gloo): one training step with tensor/sequence and expert parallelism vs the same
-step in one process. Every rank gathers the slices of the parameters it holds into whole gradients
-and compares them with its own single-process copy; rank 0 prints one JSON line per case and CONTROL
-lines (replicated gradients not completed over tp; on 2 ranks also the balance loss over each rank's
-slice of the sequences instead of the whole sequence).
+"""Run under torchrun (gloo): one training step with tensor/sequence, context and expert parallelism vs
+the same step in one process. Every rank gathers the slices of the parameters it holds into whole
+gradients and compares them with its own single-process copy; rank 0 prints one JSON line per case and
+CONTROL lines (replicated gradients not completed over tp; on 2 ranks also the balance loss over each
+rank's slice of the sequences instead of the whole sequence, and cp without KDA's state passing).
 
-    torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2
-    torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2
+    torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2, cp=2
+    torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2 x tp=2, fsdp=2 x cp=2
 """
 import contextlib
 import json
@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 from model import build_model
+from model.moe import MoE
 from parallel.dims import Degrees, DistInfo, build_layout
 from parallel import parallelize
-from parallel.parallelize import build_engine, cross_entropy
+from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
+from parallel.context import ContextSplit
 from parallel.tensor import local_sequence
+from torch.distributed.tensor import DTensor
 from trainer.config import ParallelConfig, load_config
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
@@ -30,14 +33,21 @@ CASES = {
           {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "baseline", "skewed": True},
           # the sequence-level balance loss, whose sequences each tp rank holds a slice of
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1},
-          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "mhc"}],  # m streams, each sequence-sharded
+          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "mhc"}]  # m streams, each sequence-sharded
+       # context parallelism: KDA passes state, MLA reads the earlier slices' latents
+       + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": v} for v in ("baseline", "full", "block")]
+       + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "aux_loss_coef": 0.1}],
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
-       + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"}],
+       + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"},
+          {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "cp": 2, "variant": "block"},
+          {"dp": 1, "fsdp": 2, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "full"}],
 }
 
 
 def whole(name: str, grad: torch.Tensor, engine) -> torch.Tensor:
-    """The full gradient of a parameter this rank may hold only a slice of."""
+    """The full gradient of a parameter this rank may hold only a slice (or FSDP's shard) of."""
+    if isinstance(grad, DTensor):
+        grad = grad.full_tensor()
     if name not in engine.shards.dims:
         return grad
     dim, kind = engine.shards.dims[name]
@@ -58,9 +68,9 @@ def skew(model, case: dict):
 def run_case(case: dict, info: DistInfo) -> dict:
     cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2",
                        f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}"])
-    dp = case["dp"]
+    dp, fsdp, cp = case["dp"], case.get("fsdp", 1), case.get("cp", 1)
     generator = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, cfg.model.vocab_size, (dp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
+    tokens = torch.randint(0, cfg.model.vocab_size, (dp * fsdp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
 
     torch.manual_seed(0)
@@ -72,21 +82,30 @@ def run_case(case: dict, info: DistInfo) -> dict:
     reference_loss = torch.stack(losses).mean()
     (reference_loss + torch.stack(aux_losses).mean()).backward()
     reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    reference_loads = {name: m.load_counts.clone() for name, m in reference.named_modules() if isinstance(m, MoE)}
     reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
     with torch.no_grad():  # block storage of the unsharded model: the sources of the final read
         state = reference.forward_layers(reference.mixer.start(reference.embed(tokens[:MICRO_BATCH, :-1])))
         reference_block_elements = sum(b.numel() for b in state.blocks)
 
-    layout = build_layout(info, Degrees(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"]))
-    parallel = ParallelConfig(dp=dp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1))
+    layout = build_layout(info, Degrees(dp=dp, fsdp=fsdp, pp=case["pp"], tp=case["tp"], ep=case["ep"], cp=cp))
+    parallel = ParallelConfig(dp=dp, fsdp=fsdp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1), cp=cp)
     torch.manual_seed(0)
     engine = build_engine(skew(build_model(cfg), case), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
     if case.get("slice_balance_loss"):  # the control: each rank's balance loss over its slice of the sequence
         for moe in engine.model.moe_layers():
             del moe.sequence_totals
+    if case.get("no_state_passing"):  # the control: every cp slice's KDA recurrence starts from zero
+        for module in engine.model.modules():
+            if isinstance(getattr(module, "sequence_split", None), ContextSplit) and hasattr(module, "conv_kernel"):
+                module.sequence_split.start_state = lambda final, transition: torch.zeros_like(final)
     mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, contextlib.nullcontext, None)
     grad_norm = engine.clip_grad_norm(1e9)
+    # Expert load summed over the ranks that routed different tokens: each token counted once, as in one process.
+    sync_moe_load(engine.model, layout)
+    load_error = max((m.load_counts - reference_loads[name]).abs().max().item()
+                     for name, m in engine.model.named_modules() if isinstance(m, MoE))
 
     worst, worst_name = 0.0, ""
     for name, p in engine.model.named_parameters():
@@ -95,7 +114,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
             worst, worst_name = error, name
 
     block_elements = -1
-    if case["pp"] == 1:
+    if case["pp"] == 1 and fsdp == 1:  # a whole model here, called part by part (FSDP gathers in its root's forward)
         with torch.no_grad():
             local = local_sequence(tokens[:MICRO_BATCH, :-1], layout)
             state = engine.model.forward_layers(engine.model.mixer.start(engine.model.embed(local)))
@@ -104,10 +123,11 @@ def run_case(case: dict, info: DistInfo) -> dict:
     result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
+            "load_error": load_error,
             "worst_param": worst_name, "grad_norm_error": result[2].item(), "block_elements": block_elements,
             "reference_block_elements": reference_block_elements,
-            "block_elements_formula": (len(state.blocks) * MICRO_BATCH * SEQ // case["tp"] * cfg.model.d_model
-                                       if case["pp"] == 1 else -1)}
+            "block_elements_formula": (len(state.blocks) * MICRO_BATCH * SEQ // (case["tp"] * cp) * cfg.model.d_model
+                                       if block_elements >= 0 else -1)}
 
 
 def main() -> None:
@@ -122,14 +142,16 @@ def main() -> None:
         control = run_case({"dp": info.world_size // 2, "pp": 1, "tp": 2, "ep": 1, "variant": "block"}, info)
     finally:
         parallelize.reduce_replicated_grads = original
-    aux_control = (run_case({"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1,
-                             "slice_balance_loss": True}, info) if info.world_size == 2 else None)
+    extra_controls = ([run_case({"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1,
+                                 "slice_balance_loss": True}, info),
+                       run_case({"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block",
+                                 "no_state_passing": True}, info)] if info.world_size == 2 else [])
     if info.rank == 0:
         for result in results:
             print("CASE " + json.dumps(result), flush=True)
         print("CONTROL " + json.dumps(control), flush=True)
-        if aux_control is not None:
-            print("CONTROL " + json.dumps(aux_control), flush=True)
+        for extra in extra_controls:
+            print("CONTROL " + json.dumps(extra), flush=True)
     dist.destroy_process_group()
     sys.exit(0)
 

@@ -12,7 +12,7 @@ def test_valid_layout_passes_and_names_the_data(tiny_dataset, capsys):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--nproc", "3", "parallel=pp2_vp2"], "parallel.dp * parallel.fsdp * parallel.pp * parallel.tp = 1 * 1 * 2 * 1 = 2 does not match the 3 processes"),
+    (["--nproc", "3", "parallel=pp2_vp2"], "parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 1 * 1 * 1 * 2 * 1 = 2 does not match the 3 processes"),
     (["--nproc", "2", "variant.kernel=relu"], "variant.kernel='relu' is not valid; allowed: softmax | sigmoid"),
     (["--nproc", "1", "train.seq_len=100000"], "train tokens, fewer than one sample of train.seq_len + 1 = 100001"),
 ])
