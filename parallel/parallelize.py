@@ -218,10 +218,12 @@ class PipelineEngine:
         def parallelize_chunks(chunks):  # the runner builds the chunks, then its stages around them
             self.shards = materialise_parallel(model, info, layout, seed, precision, fsdp_roots=chunks)
 
-        # Under tp the stages pass sequence slices (B, T/tp, d); 1/tp makes the tp ranks' losses sum to the mean.
+        # Under cp and tp the stages pass sequence slices (B, T/(cp*tp), d); 1/tp makes the tp ranks' losses sum
+        # to their cp slice's mean, and the cp slices' means are averaged with the data ranks'.
         tp = layout.tp
-        self.runner = PipelineRunner(model, self.plan, layout.pp_rank, layout.pp_group,
-                                     info.device, parallel_cfg.schedule, microbatches, micro_batch, seq_len // tp,
+        self.runner = PipelineRunner(model, self.plan, layout.pp_rank, layout.pp_group, info.device,
+                                     parallel_cfg.schedule, microbatches, micro_batch,
+                                     seq_len // layout.degrees.sequence_ranks,
                                      loss_fn=lambda logits, targets: cross_entropy(logits, targets) / tp,
                                      parallelize_chunks=parallelize_chunks, message_dtype=stream_dtype)
         self.model = self.runner.rank_model
@@ -240,7 +242,7 @@ class PipelineEngine:
         loss = self.runner.step(*self._local(micro_batches), autocast)
         # FSDP's reduce-scatter already averaged over every data rank (replicas and shards).
         finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.layout.fsdp > 1)
-        return _all_reduce(_all_reduce(loss, self.layout.tp_group), self.layout.dp_group) / self.layout.dp
+        return _all_reduce(_all_reduce(loss, self.layout.tp_group), self.layout.dp_cp_group) / self.layout.dp_cp
 
     @torch.no_grad()
     def evaluate(self, batches, autocast) -> tuple[float, int]:
@@ -252,6 +254,7 @@ class PipelineEngine:
         loss_sum, tokens = 0.0, 0
         for group, counted in rank_share(groups, self.layout, self.lockstep):
             loss = _all_reduce(self.runner.eval(*self._local(group), autocast), self.layout.tp_group)
+            loss = _all_reduce(loss, self.layout.cp_group) / self.layout.cp
             if counted:
                 count = sum(t.numel() for _, t in group)
                 loss_sum += loss.item() * count
@@ -283,8 +286,8 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
     if document_boundary is not None and layout.pp > 1:
         raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
-    if layout.cp > 1 and (layout.pp > 1 or layout.ep > 1 or document_boundary is not None):
-        raise ValueError(f"parallel.cp={layout.cp} does not compose with pp, ep or document masking yet")
+    if layout.cp > 1 and (layout.ep > 1 or document_boundary is not None):
+        raise ValueError(f"parallel.cp={layout.cp} does not compose with ep or document masking yet")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
         return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)

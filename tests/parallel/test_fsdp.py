@@ -230,6 +230,7 @@ COMPOSED = {  # 4-rank layouts and the settings each needs
     "fsdp2_pp2": {"train.global_batch": 8},
     "fsdp2_ep2": {"train.micro_batch": 1},
     "fsdp2_tp2": {},
+    "cp2_pp2": {"train.global_batch": 4},  # context parallelism through pipeline stages
 }
 COMPOSED_8 = {  # fsdp with two of pp, tp and ep (ep is carved out of dp, so it needs 2 replicas)
     "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
@@ -271,7 +272,8 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts are split in two,
     every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated parameters) sharded over
     the 2 fsdp ranks of each tp index; checkpoints hold them as DTensors over (fsdp, tp), strided where both
-    cut dim 0. Stopped after 3 steps a run resumes in one process, and a single-process checkpoint resumes
+    cut dim 0. cp2_pp2: 2 pipeline stages (2 chunks each), each on 2 cp ranks holding half of every sequence.
+    Stopped after 3 steps a run resumes in one process, and a single-process checkpoint resumes
     under the layout; both have one process's losses, gradient norms (clipping active) and validation loss,
     rel 1e-5."""
     one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
