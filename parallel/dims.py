@@ -179,12 +179,11 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
     data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
     fsdp_mesh, expert_dp_group = None, mesh.get_group("dp_rep")
     dp_cp_group = data_mesh.get_group()
-    if cp > 1:
-        dp_cp_mesh = mesh["dp_rep", "ep", "fsdp", "cp"]._flatten("dp_cp")
-        dp_cp_group = dp_cp_mesh.get_group()
+    if cp > 1:  # ep > 1 is refused with cp, so the replicas are dp_rep
+        dp_cp_group = mesh["dp_rep", "ep", "fsdp", "cp"]._flatten("dp_cp").get_group()
         if fsdp > 1:
-            fsdp_mesh = (dp_cp_mesh._unflatten(0, (dp, fsdp * cp), ("replica", "fsdp_cp")) if dp > 1
-                         else mesh["fsdp", "cp"]._flatten("fsdp_cp"))
+            fsdp_cp = mesh["fsdp", "cp"]._flatten("fsdp_cp")
+            fsdp_mesh = mesh["dp_rep", "fsdp_cp"] if dp > 1 else fsdp_cp
     elif fsdp > 1 and ep > 1:
         # fsdp x ep: the shards' replicas are all dp ranks (ep ones included), while the ranks holding
         # the same experts (replicated, not fsdp-sharded) are the dp_rep x fsdp ranks of one ep index.

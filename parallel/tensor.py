@@ -84,12 +84,14 @@ class Shards:
 
     def _fsdp_and_tp(self, shard: DTensor, dim: int) -> DTensor:
         """`shard` (FSDP's, rows of this rank's tp slice) as a DTensor of the whole parameter over the
-        (fsdp, tp) mesh, sharing its storage. FSDP cut the tp slice along dim 0: when tp cut dim 0
-        too, fsdp's chunks lie inside each tp slice (tp outer), which DTensor calls a strided shard."""
+        (fsdp, tp) mesh, sharing its storage; FSDP's shard dimension is fsdp, or fsdp_cp when it shards
+        over the cp ranks too. FSDP cut the tp slice along dim 0: when tp cut dim 0 too, fsdp's chunks
+        lie inside each tp slice (tp outer), which DTensor calls a strided shard."""
         shape = list(shard.shape)  # the tp slice
         shape[dim] *= self.mesh["tp"].size()
         fsdp_placement = _StridedShard(0, split_factor=self.mesh["tp"].size()) if dim == 0 else Shard(0)
-        return DTensor.from_local(shard.to_local(), self.mesh["fsdp", "tp"], [fsdp_placement, Shard(dim)],
+        fsdp_dim = shard.device_mesh.mesh_dim_names[-1]
+        return DTensor.from_local(shard.to_local(), self.mesh[fsdp_dim, "tp"], [fsdp_placement, Shard(dim)],
                                   run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
     def from_checkpoint(self, state: dict) -> dict:

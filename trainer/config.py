@@ -328,7 +328,6 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice is fewer than the "
                           f"{history} a KDA short convolution reads from the slice before (model.kda.conv_kernel - 1)")
     unsupported = [f"{key}" for key, on in (("parallel.ep > 1", p.ep > 1),
-                                             ("fsdp x tp", p.fsdp > 1 and p.tp > 1),
                                              ("data.document_masking=true", cfg.data.document_masking)) if on]
     if unsupported:
         raise ConfigError(f"parallel.cp={p.cp} does not compose with {', '.join(unsupported)} yet; cp composes "

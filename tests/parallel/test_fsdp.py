@@ -236,6 +236,7 @@ COMPOSED_8 = {  # fsdp with two of pp, tp and ep (ep is carved out of dp, so it 
     "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
     "dp2_fsdp2_tp2_ep2": {"train.micro_batch": 1},
     "fsdp2_pp2_tp2": {"train.micro_batch": 1},
+    "fsdp2_cp2_tp2": {"train.micro_batch": 1},  # tp slices sharded over fsdp x cp
 }
 
 
@@ -301,7 +302,8 @@ def test_eight_rank_fsdp_compositions_train_like_one_process_and_checkpoints_mov
     kimi_linear_48b (dpN_fsdp2_pp2_epN, dpN_fsdp2_tp2_epN): dp2_fsdp2_pp2_ep2 (HSDP pipeline chunks with
     ep slices of the experts left out of fully_shard, cross-stage cache on), dp2_fsdp2_tp2_ep2 (HSDP over
     each rank's tp slices, experts split over the replicas), fsdp2_pp2_tp2 (each stage's tp slices
-    FSDP2-sharded). Each trains 3 steps and resumes both ways from one process with one process's
+    FSDP2-sharded), fsdp2_cp2_tp2 (tp slices sharded over fsdp x cp, checkpointed over the (fsdp_cp, tp)
+    mesh). Each trains 3 steps and resumes both ways from one process with one process's
     losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
     settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_8.items()}
     result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=8)
