@@ -168,7 +168,7 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
     """A (dp, fsdp, cp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
     neighbours, then cp, and fsdp inside dp so a replica's shards are too. dp is split as (dp / ep, ep)
     for the experts. FSDP shards over fsdp x cp (torchtitan's dp_shard_cp): cp ranks hold the same
-    parameters and average their gradients, as data ranks do."""
+    parameters and average their gradients, as data ranks do, experts' included."""
     if info.world_size == 1:
         return Layout()
     from torch.distributed.device_mesh import init_device_mesh
@@ -177,20 +177,21 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
     mesh = init_device_mesh(info.device.type, (dp // ep, ep, fsdp, cp, pp, tp),
                             mesh_dim_names=("dp_rep", "ep", "fsdp", "cp", "pp", "tp"))
     data_mesh = mesh["dp_rep", "ep", "fsdp"]._flatten("dp")
+    dp_cp_group = mesh["dp_rep", "ep", "fsdp", "cp"]._flatten("dp_cp").get_group() if cp > 1 else data_mesh.get_group()
+    # FSDP shards over fsdp x cp (one name for both, so a tp checkpoint can pair it with tp).
+    shard_dim = mesh["fsdp", "cp"]._flatten("fsdp_cp") if cp > 1 else mesh["fsdp"]
+    shard_name = shard_dim.mesh_dim_names[0]
     fsdp_mesh, expert_dp_group = None, mesh.get_group("dp_rep")
-    dp_cp_group = data_mesh.get_group()
-    if cp > 1:  # ep > 1 is refused with cp, so the replicas are dp_rep
-        dp_cp_group = mesh["dp_rep", "ep", "fsdp", "cp"]._flatten("dp_cp").get_group()
-        if fsdp > 1:
-            fsdp_cp = mesh["fsdp", "cp"]._flatten("fsdp_cp")
-            fsdp_mesh = mesh["dp_rep", "fsdp_cp"] if dp > 1 else fsdp_cp
-    elif fsdp > 1 and ep > 1:
-        # fsdp x ep: the shards' replicas are all dp ranks (ep ones included), while the ranks holding
-        # the same experts (replicated, not fsdp-sharded) are the dp_rep x fsdp ranks of one ep index.
-        fsdp_mesh = data_mesh._unflatten(0, (dp, fsdp), ("replica", "fsdp"))
-        expert_dp_group = mesh["dp_rep", "fsdp"]._flatten("expert_dp").get_group()
+    if ep > 1:
+        # The ranks holding the same experts (replicated, not fsdp-sharded): dp_rep x fsdp x cp of one ep index.
+        expert_dp_group = (mesh["dp_rep", "fsdp", "cp"]._flatten("expert_dp").get_group() if fsdp * cp > 1
+                           else mesh.get_group("dp_rep"))
+    if fsdp > 1 and ep > 1:
+        # fsdp x ep: the shards' replicas are all dp ranks, ep ones included.
+        mesh["dp_rep", "ep"]._flatten("replica")  # names the replicas on the root mesh
+        fsdp_mesh = mesh["replica", shard_name]
     elif fsdp > 1:
-        fsdp_mesh = mesh["dp_rep", "fsdp"] if dp > 1 else mesh["fsdp"]
+        fsdp_mesh = mesh["dp_rep", shard_name] if dp > 1 else shard_dim
     return Layout(degrees, data_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
                   mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
                   mesh.get_group("ep"), expert_dp_group, mesh, fsdp_mesh, mesh.get_local_rank("cp"),

@@ -108,15 +108,16 @@ def materialise_parallel(model: Decoder, info: DistInfo, layout: Layout, seed: i
 
 
 def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged: bool) -> None:
-    """After backward: complete the partial sums over tp, then average over the data-parallel ranks
-    (over dp for shared parameters unless DDP already did, over the same-expert ranks for experts)."""
+    """After backward: complete the partial sums over tp, then average over the data-parallel and cp ranks
+    (over dp_cp for shared parameters unless DDP or FSDP already did, over the same-expert ranks for experts:
+    under ep an expert's gradient already sums its ep group's tokens)."""
     reduce_replicated_grads(model, shards, layout.tp_group)
     experts = set(expert_param_names(shards))
     for name, p in model.named_parameters():
         if name in experts:
             if p.grad is None:  # no token reached this rank's experts; its peers still reduce
                 p.grad = torch.zeros_like(p)
-            _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp)
+            _all_reduce(p.grad, layout.expert_dp_group).div_(layout.dp_cp)
         elif p.grad is not None and not dp_averaged and layout.dp_cp > 1:
             _all_reduce(p.grad, layout.dp_cp_group).div_(layout.dp_cp)
 
@@ -286,8 +287,8 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
     if document_boundary is not None and layout.pp > 1:
         raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
-    if layout.cp > 1 and (layout.ep > 1 or document_boundary is not None):
-        raise ValueError(f"parallel.cp={layout.cp} does not compose with ep or document masking yet")
+    if layout.cp > 1 and document_boundary is not None:
+        raise ValueError(f"parallel.cp={layout.cp} does not compose with document masking yet")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
         return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)

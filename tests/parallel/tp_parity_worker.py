@@ -5,7 +5,7 @@ CONTROL lines (replicated gradients not completed over tp; on 2 ranks also the b
 rank's slice of the sequences instead of the whole sequence, and cp without KDA's state passing).
 
     torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2, cp=2
-    torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2 x tp=2, fsdp=2 x cp=2, cp=4
+    torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2 x tp=2, fsdp=2 x cp=2, cp=4, dp=2 x cp=2 x ep=2
 """
 import contextlib
 import json
@@ -41,7 +41,8 @@ CASES = {
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"},
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "cp": 2, "variant": "block"},
           {"dp": 1, "fsdp": 2, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "full"},
-          {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 4, "variant": "block"}],  # a chain over three earlier slices
+          {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 4, "variant": "block"},  # a chain over three earlier slices
+          {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "cp": 2, "variant": "block"}],  # experts averaged over dp x cp
 }
 
 
