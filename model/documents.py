@@ -44,18 +44,24 @@ def document_index(starts: torch.Tensor) -> torch.Tensor:
     return starts.long().cumsum(1)
 
 
-def same_document_causal_mask(starts: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool -> (B, 1, T, T) bool attention mask: query t sees key j <= t of its own document."""
-    index = document_index(starts)  # (B, T)
-    T = starts.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=starts.device).tril()  # (T, T)
-    return ((index.unsqueeze(2) == index.unsqueeze(1)) & causal).unsqueeze(1)  # (B, 1, T, T)
+def same_document_causal_mask(starts: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """(B, S) bool starts of the keys -> (B, 1, T, S) bool attention mask for the last T = `queries` of them
+    (default all): query t, at key position S - T + t, sees key j <= S - T + t of its own document."""
+    index = document_index(starts)  # (B, S)
+    S = starts.shape[1]
+    T = S if queries is None else queries
+    causal = torch.ones(T, S, dtype=torch.bool, device=starts.device).tril(S - T)  # (T, S)
+    return ((index[:, S - T:].unsqueeze(2) == index.unsqueeze(1)) & causal).unsqueeze(1)  # (B, 1, T, S)
 
 
-def same_document_window(starts: torch.Tensor, width: int) -> torch.Tensor:
+def same_document_window(starts: torch.Tensor, width: int, previous: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) bool -> (B, T, width) bool: [b, t, i] says whether input t - (width - 1) + i of a causal
-    window is in token t's document. Positions before the window (the convolution's zero padding) count
-    as the first token's document: their inputs are zero either way."""
-    index = document_index(starts)  # (B, T)
-    padded = torch.cat([index[:, :1].expand(-1, width - 1), index], dim=1)  # (B, width-1+T)
-    return padded.unfold(1, width, 1) == index.unsqueeze(-1)  # (B, T, width)
+    window is in token t's document. previous (B, width - 1) bool: the starts of the width - 1 tokens before
+    these (a sequence split across processes); None: the sequence starts here, and the positions before it
+    (the convolution's zero padding) count as the first token's document: their inputs are zero either way."""
+    if previous is None:
+        index = document_index(starts)  # (B, T)
+        padded = torch.cat([index[:, :1].expand(-1, width - 1), index], dim=1)  # (B, width-1+T)
+    else:
+        padded = document_index(torch.cat([previous, starts], dim=1))  # (B, width-1+T)
+    return padded.unfold(1, width, 1) == padded[:, width - 1:].unsqueeze(-1)  # (B, T, width)

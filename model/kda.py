@@ -120,12 +120,16 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         window = None
         split = self.sequence_split
-        if split is not None and (state is not None or document_starts is not None):
+        if split is not None and state is not None:
             raise ValueError("KimiDeltaAttention: a sequence_split (context parallelism) trains whole slices; it "
-                             "takes neither a decoding state nor document_starts")
+                             "takes no decoding state")
         if document_starts is not None:
             check_document_starts(document_starts, B, T, state, "KimiDeltaAttention")
-            window = same_document_window(document_starts, self.conv_kernel)  # (B, T, W)
+            previous = None
+            if split is not None:  # the earlier tokens the convolution reads may be in other documents
+                previous = split.previous_rows(document_starts.unsqueeze(-1).float(), self.conv_kernel - 1)
+                previous = previous.squeeze(-1).bool()  # (B, W-1)
+            window = same_document_window(document_starts, self.conv_kernel, previous)  # (B, T, W)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (B, T, H*K) each
         if state is not None:
             tails = (state.conv_q, state.conv_k, state.conv_v)
@@ -147,7 +151,7 @@ class KimiDeltaAttention(nn.Module):
 
         if split is not None:
             o = kda_chunk_from_unknown_start(q, k, v, g, beta, self.scale, self.chunk_size, split.start_state,
-                                             impl=self.kernel_impl)
+                                             impl=self.kernel_impl, resets=document_starts)
         elif state is None:
             o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl,
                              resets=document_starts)

@@ -73,9 +73,9 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         H = self.n_heads
         split = self.sequence_split
-        if split is not None and (cache is not None or document_starts is not None):
+        if split is not None and cache is not None:
             raise ValueError("MultiHeadLatentAttention: a sequence_split (context parallelism) trains whole slices; "
-                             "it takes neither a decoding cache nor document_starts")
+                             "it takes no decoding cache")
         if document_starts is not None:
             check_document_starts(document_starts, B, T, cache, "MultiHeadLatentAttention")
         q = self.q_proj(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
@@ -101,10 +101,13 @@ class MultiHeadLatentAttention(nn.Module):
         # With a past (cached or on earlier slices), is_causal would align the triangle top-left; query i sits
         # at absolute position past + i.
         mask = None
-        if past > 0:
+        if document_starts is not None:
+            key_starts = document_starts
+            if split is not None:  # the documents of the earlier slices' keys
+                key_starts = split.through_mine(document_starts.unsqueeze(-1).float()).squeeze(-1).bool()  # (B, S)
+            mask = same_document_causal_mask(key_starts, T)  # (B, 1, T, S)
+        elif past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
-        elif document_starts is not None:
-            mask = same_document_causal_mask(document_starts)  # (B, 1, T, T)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H, T|S, D)
             attn_mask=mask, is_causal=mask is None, scale=self.scale,

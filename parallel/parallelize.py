@@ -135,8 +135,12 @@ class DataParallelEngine:
     document_boundary: int | None = None
 
     def _document_starts(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """(B, T) starts of the whole sequence: under tp the token mixers see it whole, not this rank's slice."""
-        return None if self.document_boundary is None else document_starts(inputs, self.document_boundary)
+        """(B, T/cp) starts of this rank's cp slice, found on the whole sequence (a slice's first token may
+        start a document): the token mixers see the cp slice, whole under tp, not this rank's tp slice."""
+        if self.document_boundary is None:
+            return None
+        starts = document_starts(inputs, self.document_boundary)  # (B, T)
+        return starts.chunk(self.layout.cp, dim=1)[self.layout.cp_rank]  # (B, T/cp)
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
         self.info, self.layout = info, layout
@@ -287,8 +291,6 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
     if document_boundary is not None and layout.pp > 1:
         raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
-    if layout.cp > 1 and document_boundary is not None:
-        raise ValueError(f"parallel.cp={layout.cp} does not compose with document masking yet")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
         return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)

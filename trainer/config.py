@@ -327,10 +327,6 @@ def _validate_context_parallel(cfg: Config) -> None:
     if t.seq_len // p.cp < history:
         raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice is fewer than the "
                           f"{history} a KDA short convolution reads from the slice before (model.kda.conv_kernel - 1)")
-    if cfg.data.document_masking:
-        raise ConfigError(f"parallel.cp={p.cp} does not compose with data.document_masking=true yet: a slice's "
-                          "documents would need the earlier slices' document starts; use parallel.cp=1 or "
-                          "data.document_masking=false")
 
 
 # -- retrofitting (init_from, train.trainable, train.unfreeze_after; trainer/retrofit.py) ----------------

@@ -58,7 +58,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 def kda_chunk_from_unknown_start(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
         chunk_size: int, start_state: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        impl: str = "auto") -> torch.Tensor:
+        impl: str = "auto", resets: torch.Tensor | None = None) -> torch.Tensor:
     """kda_chunk of a piece of a sequence whose state at the piece's start, S_0, comes from earlier pieces
     held elsewhere. The recurrence is linear in (S_0, v) jointly and acts on each state column alone, so one
     run over the augmented values [v, 0] from the augmented state [0, I] (B, H, K, V+K) yields both
@@ -66,13 +66,16 @@ def kda_chunk_from_unknown_start(
     - from the I columns: the transition M (final state = M S_0 + F) and per token q_t's read of the
       decayed start, r_t = scale * M_t^T q_t, with which a start S_0 adds S_0^T r_t to output t.
     start_state(F, M) -> S_0 (B, H, K, V) (fp32; chains the pieces' (F, M) in order). Same shapes and
-    output dtype as kda_chunk; gradients reach the inputs through both runs' paths and through start_state."""
+    output dtype as kda_chunk; gradients reach the inputs through both runs' paths and through start_state.
+    With resets (document starts) the decomposition still holds (a reset zeroes both parts of the state), but
+    fla's varlen form takes no start state per row, so the torch chunk form runs, on CUDA too."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     values = torch.cat([v.to(torch.float32), v.new_zeros(B, T, H, K, dtype=torch.float32)], dim=-1)  # (B, T, H, V+K)
     identity = torch.eye(K, device=q.device).expand(B, H, K, K)  # (B, H, K, K)
     augmented_start = torch.cat([q.new_zeros(B, H, K, V, dtype=torch.float32), identity], dim=-1)  # (B, H, K, V+K)
-    o, final = kda_chunk(q, k, values, g, beta, scale, chunk_size, augmented_start, True, impl=impl)
+    o, final = kda_chunk(q, k, values, g, beta, scale, chunk_size, augmented_start, True,
+                         impl=impl if resets is None else "reference", resets=resets)
     o_from_zero, start_reads = o.float().split([V, K], dim=-1)  # (B, T, H, V), (B, T, H, K)
     final_from_zero, transition = final.float().split([V, K], dim=-1)  # (B, H, K, V), (B, H, K, K)
     start = start_state(final_from_zero, transition)  # (B, H, K, V)

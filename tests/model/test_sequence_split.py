@@ -1,6 +1,7 @@
 """Token mixers on a sequence split into slices (model/sequence_split.py), the slices run one after another
-in this process: outputs and every gradient equal one pass over the whole sequence, and dropping what a
-slice receives from the earlier ones breaks that. parallel/context.py does the same across processes."""
+in this process: outputs and every gradient equal one pass over the whole sequence, with and without
+document masking, and dropping what a slice receives from the earlier ones breaks that. parallel/context.py
+does the same across processes."""
 import pytest
 import torch
 
@@ -13,22 +14,31 @@ T, D = 48, 32
 
 
 class InOrderSplit:
-    """A SequenceSplit for slices run in order in one process, with autograd across them. pass_state=False
-    starts every slice's recurrence from zero and pass_past=False shows MLA only its own slice: the
-    negative controls."""
+    """A SequenceSplit for slices run in order in one process, with autograd across them: the n-th exchange of
+    a slice (previous_rows or through_mine) sees the n-th of the slices before. `next_slice` starts the next
+    slice. pass_state=False starts every slice's recurrence from zero and pass_past=False shows MLA only its
+    own slice: the negative controls."""
 
     def __init__(self, pass_state: bool = True, pass_past: bool = True):
         self.pass_state, self.pass_past = pass_state, pass_past
-        self.previous, self.history, self.carried = None, [], None
+        self.slices, self.carried = [], None  # slices: per slice, what each exchange sent
+
+    def next_slice(self):
+        self.slices.append([])
+
+    def _exchange(self, x):
+        """(the same exchange's x of every earlier slice, in order)"""
+        earlier = [sent[len(self.slices[-1])] for sent in self.slices[:-1]]
+        self.slices[-1].append(x)
+        return earlier
 
     def previous_rows(self, x, n):
-        rows = x.new_zeros(x.shape[0], n, x.shape[2]) if self.previous is None else self.previous[:, -n:]
-        self.previous = x
-        return rows
+        earlier = self._exchange(x)
+        return x.new_zeros(x.shape[0], n, x.shape[2]) if not earlier else earlier[-1][:, -n:]
 
     def through_mine(self, x):
-        self.history.append(x)
-        return torch.cat(self.history if self.pass_past else [x], dim=1)
+        earlier = self._exchange(x)
+        return torch.cat([*earlier, x] if self.pass_past else [x], dim=1)
 
     def start_state(self, final, transition):
         start = torch.zeros_like(final) if self.carried is None or not self.pass_state else self.carried
@@ -51,26 +61,46 @@ def mla() -> MultiHeadLatentAttention:
     return layer
 
 
-def run(layer, x, grad_out, slices: int, split=None):
-    """Output and gradients (input's, then every parameter's) of the layer over x cut into `slices`."""
+def run(layer, x, grad_out, slices: int, split=None, starts=None):
+    """Output and gradients (input's, then every parameter's) of the layer over x cut into `slices`, with
+    document starts (B, T) or none."""
     layer.zero_grad()
     x = x.clone().requires_grad_()
     layer.sequence_split = split
-    out = torch.cat([layer(piece) for piece in x.chunk(slices, dim=1)], dim=1)  # (B, T, D)
+    outputs = []
+    for index, piece in enumerate(x.chunk(slices, dim=1)):
+        if split is not None:
+            split.next_slice()
+        piece_starts = None if starts is None else starts.chunk(slices, dim=1)[index]
+        outputs.append(layer(piece, document_starts=piece_starts))
     layer.sequence_split = None
+    out = torch.cat(outputs, dim=1)  # (B, T, D)
     out.backward(grad_out)
     return out.detach(), {"input": x.grad, **{name: p.grad.clone() for name, p in layer.named_parameters()}}
 
 
+def document_starts_at(*positions) -> torch.Tensor:
+    """(2, T) bool: row 0 starts documents at `positions`, row 1 at none."""
+    starts = torch.zeros(2, T, dtype=torch.bool)
+    starts[0, list(positions)] = True
+    return starts
+
+
+# Documents starting inside a slice, at a slice's first token (24 with 2 slices, 12 with 4) and within the
+# convolution's reach of a slice boundary (13, 25: the next slice's window spans them).
+STARTS = {"no documents": None, "documents": document_starts_at(5, 13, 24, 25, 40)}
+
+
+@pytest.mark.parametrize("starts", STARTS.values(), ids=STARTS.keys())
 @pytest.mark.parametrize("make_layer", [kda, mla], ids=["kda", "mla"])
 @pytest.mark.parametrize("slices", [2, 4])
-def test_slices_in_order_equal_the_whole_sequence(make_layer, slices):
+def test_slices_in_order_equal_the_whole_sequence(make_layer, slices, starts):
     torch.manual_seed(0)
     layer = make_layer()
     x = torch.randn(2, T, D, generator=torch.Generator().manual_seed(1))
     grad_out = torch.randn(2, T, D, generator=torch.Generator().manual_seed(2))
-    out_whole, grads_whole = run(layer, x, grad_out, 1)
-    out_split, grads_split = run(layer, x, grad_out, slices, InOrderSplit())
+    out_whole, grads_whole = run(layer, x, grad_out, 1, starts=starts)
+    out_split, grads_split = run(layer, x, grad_out, slices, InOrderSplit(), starts)
     assert out_whole.abs().max() > 0.05
     torch.testing.assert_close(out_split, out_whole, atol=2e-6, rtol=1e-5)
     for name, want in grads_whole.items():
@@ -78,14 +108,12 @@ def test_slices_in_order_equal_the_whole_sequence(make_layer, slices):
                                    msg=name)
 
     control = InOrderSplit(pass_state=False) if make_layer is kda else InOrderSplit(pass_past=False)
-    out_control, _ = run(layer, x, grad_out, slices, control)
+    out_control, _ = run(layer, x, grad_out, slices, control, starts)
     assert (out_control - out_whole).abs().max() > 1e-2
 
 
-def test_a_split_refuses_document_starts_and_decoding_state():
+def test_a_split_refuses_a_decoding_state():
     layer, x = kda(), torch.randn(1, 8, D)
     layer.sequence_split = InOrderSplit()
-    with pytest.raises(ValueError, match="sequence_split"):
-        layer(x, document_starts=torch.zeros(1, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="sequence_split"):
         layer(x, layer.new_state(1))

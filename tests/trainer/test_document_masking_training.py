@@ -78,9 +78,10 @@ def test_activation_checkpointing_keeps_the_masked_losses(tmp_path, short_docume
     assert losses(tmp_path / "selective") == losses(tmp_path / "none")
 
 
-def test_masked_training_under_dp_tp_and_fsdp_is_one_process(tmp_path, short_documents):
-    """dp2, tp2 (sequence-sharded: the starts come from the whole sequence) and fsdp2, in one launch."""
-    layouts = ("dp2", "tp2", "fsdp2")
+def test_masked_training_under_dp_tp_fsdp_and_cp_is_one_process(tmp_path, short_documents):
+    """dp2, tp2 (sequence-sharded: the starts come from the whole sequence), fsdp2 and cp2 (each slice's
+    documents continue from the earlier slice's: convolution windows, KDA's state, MLA's keys), in one launch."""
+    layouts = ("dp2", "tp2", "fsdp2", "cp2")
     result = torchrun_runs([fast_train_overrides(tmp_path / layout, short_documents, steps=3, parallel=layout,
                                                  **{"data.document_masking": "true"}) for layout in layouts], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
