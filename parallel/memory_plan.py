@@ -2,13 +2,15 @@
 
 Parameters are counted on a meta-device model (nothing is allocated): each parameter goes to the
 pipeline rank whose chunk holds it (parallel/pipeline/plan.py's split), routed experts are divided by
-ep, the head-split weights of parallel/tensor.py by tp, and whatever a rank then holds by fsdp.
+ep, the head-split weights of parallel/tensor.py by tp, and whatever a rank then holds by fsdp, times cp
+when fsdp > 1 (FSDP shards over fsdp x cp, parallel/dims.py's build_layout); with fsdp = 1 the cp ranks
+hold full replicas (DDP over dp x cp).
 
 Bytes per parameter (what the code does):
   DDP / pp / tp / ep (no fsdp): fp32 weights 4, fp32 grads 4, AdamW exp_avg + exp_avg_sq 8; DDP adds its
     fp32 gradient buckets (4, gradient_as_bucket_view is off); in bf16 (train.precision; auto: on CUDA)
     the autocast copies of the weights are kept for backward (2).
-  FSDP2 (parallel/fsdp.py): the fp32 sharded weights, grads and AdamW state (16 / fsdp); transient:
+  FSDP2 (parallel/fsdp.py): the fp32 sharded weights, grads and AdamW state (16 / (fsdp * cp)); transient:
     the largest unit all-gathered (in the precision: bf16 or fp32) twice (prefetch) plus its unsharded fp32
     gradient before the reduce-scatter. Under ep the routed experts' ep slices stay out of fully_shard
     (16 per parameter, bf16 autocast copies 2). Under pp (each chunk an FSDP root) parameters stay
@@ -27,6 +29,14 @@ taken from the code (which op keeps which output for backward) and checked op by
 scripts/bench_memory.py's storage tracker at model=m; the CPU column is the reference kernels (KDA's
 torch chunk form, SDPA's math path with its T x T probabilities), the CUDA column fla's chunk_kda and
 flash attention.
+
+Context parallelism (parallel/context.py): every rank holds T / (tp * cp) tokens of each sequence, so every
+token-local activation and the AttnRes block storage shrink by cp as they do by tp. The token mixers add:
+- MLA: rank r gathers the normalised latent + shared rope slice of slices 0..r and recomputes K and V from
+  them; the last rank, planned here, holds them for all T tokens and scores its T/cp queries against T keys
+  (`mla_elements` with queries T/cp, keys T);
+- KDA: one chunk run over the values augmented to V + K columns from an augmented start state, and the
+  all-gathered (cp, B, H, K, V+K) fp32 (final state, transition) pairs (`kda_context_elements`).
 """
 from __future__ import annotations
 
@@ -145,37 +155,73 @@ class Elements:
         return self.a * act_bytes + self.f * 4
 
 
-def kda_elements(cfg: ModelConfig, mode: str, cuda: bool) -> Elements:
+def kda_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int = 1, seq_len: int = 0) -> Elements:
     """KDA, H heads of K, HK = H*K, chunk C (none = saved for backward; selective = matmul outputs).
     none: input d; q/k/v padded conv inputs 3HK, conv outputs 3HK, SiLU of q, k 2HK; decay input and
     softplus 2HK (fp32); gate sigmoid, o_norm products, reshape 4HK; low-rank mids 2K; norms, beta 6H.
     Chunk form, CPU reference: 16HK + 4HC (grams, the triangular system) + HK^2/C (per-chunk states);
     CUDA fla chunk_kda: q, k casts and v 3HK, g HK and its two C x C matrices 2HC in fp32.
-    selective: q/k/v/b/f/g projections 5HK + 2K + H, o_proj d; CPU chunk matmuls 3HK + 2HC + HK^2/C."""
+    selective: q/k/v/b/f/g projections 5HK + 2K + H, o_proj d; CPU chunk matmuls 3HK + 2HC + HK^2/C.
+    cp > 1 adds `kda_context_elements` (seq_len: the whole sequence's tokens)."""
     d, H, K, C = cfg.d_model, cfg.n_heads, cfg.kda.head_dim, cfg.kda.chunk_size
     HK = H * K
     if mode == "selective":
         base = Elements(a=5 * HK + 2 * K + H + d)
-        return base + (Elements() if cuda else Elements(a=3 * HK + 2 * H * C + HK * K / C))
-    base = Elements(a=d + 8 * HK + 4 * HK + 2 * K, f=2 * HK + 6 * H)
-    chunk = Elements(a=3 * HK, f=HK + 2 * H * C) if cuda else Elements(f=16 * HK + 4 * H * C + HK * K / C)
-    return base + chunk
+        chunk = Elements() if cuda else Elements(a=3 * HK + 2 * H * C + HK * K / C)
+    else:
+        base = Elements(a=d + 8 * HK + 4 * HK + 2 * K, f=2 * HK + 6 * H)
+        chunk = Elements(a=3 * HK, f=HK + 2 * H * C) if cuda else Elements(f=16 * HK + 4 * H * C + HK * K / C)
+    return base + chunk + (kda_context_elements(cfg, mode, cuda, cp, seq_len) if cp > 1 else Elements())
 
 
-def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, seq_len: int) -> Elements:
-    """MLA, H heads, rank r, nope n, rope p, v: none: input d, kv_a r+p, the normalised latent 2r + 1,
-    q and k 2H(n+p), v and the output copy 2Hv; CPU math SDPA keeps its causal probabilities H*T
-    per token, CUDA flash the log-sum-exp H (and its kv_b output H(n+v) instead of the copies).
-    selective: projections H(n+p) + r+p + H(n+v) + o_proj d, attention output Hv (+ H*T scores on CPU)."""
+def kda_context_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int, seq_len: int) -> Elements:
+    """What KDA keeps on top of `kda_elements` on the last of cp ranks (kda_chunk_from_unknown_start): the
+    chunk run sees values [v, 0] of width V + K (V = K = head_dim) from the start [0, I]. Assumed, from the
+    code (the CPU column checked with scripts/bench_memory.py's tracker, tests/scripts/test_plan_memory.py):
+    - CPU reference chunk: its V-wide saved tensors, the value columns of the triangular system's right side
+      and of its solution and the updates u (3HV), and the per-chunk states (HKV/C), grow to V + K; its
+      (V+K)-wide fp32 output stays alive as the einsum's start-read operand H(V+K);
+    - CUDA fla: q, k reach it uncast in fp32 (the values are fp32), so its 2HK saved copies turn fp32, and its
+      bf16 v HV becomes the fp32 values H(V+K); its output is kept like the CPU's (an upper bound: autocast may
+      keep a bf16 copy of the start reads, HK, instead);
+    - selective: the chunk's V-wide matmul outputs grow to V + K (CPU) and the start read's einsum adds HV;
+    - every mode but full: the all-gathered (cp, B, H, K, V+K) fp32 pairs and the cp - 1 chained fp32 starts
+      (B, H, K, V) of the last rank, per sequence: over its T/cp tokens that is cp^2 HK(V+K)/T and
+      (cp - 1) cp HKV/T per token."""
+    H, K, C = cfg.n_heads, cfg.kda.head_dim, cfg.kda.chunk_size
+    V = K
+    gathered = Elements(f=cp * cp * H * K * (V + K) / seq_len + (cp - 1) * cp * H * K * V / seq_len)
+    if mode == "selective":
+        chunk = Elements() if cuda else Elements(a=(3 * H + H * K / C) * K)
+        return gathered + chunk + Elements(f=H * V)
+    if cuda:
+        chunk = Elements(a=-2 * H * K - H * V, f=2 * H * K + H * (V + K))
+    else:
+        chunk = Elements(f=(3 * H + H * K / C) * K)
+    return gathered + chunk + Elements(f=H * (V + K))
+
+
+def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, queries: int, keys: int | None = None) -> Elements:
+    """MLA, H heads, rank r, nope n, rope p, v, per query token of `queries` attending over `keys` (default:
+    as many; under cp the last rank's T/cp queries over all T keys). Per query: input d, kv_a r+p, the
+    normalised latent 2r + 1, q H(n+p), the output copy Hv; per key: k H(n+p), and v Hv on CPU, the kv_b
+    output H(n+v) on CUDA; CPU math SDPA keeps its causal probabilities H*keys per query, CUDA flash the
+    log-sum-exp H. Keys beyond the queries' own slice came through cp's all-gather: per key its latent
+    + rope r+p (kv_b_proj's input; the selective policy saves the gather's output, the same size).
+    selective: projections H(n+p) + r+p + H(n+v) per key + o_proj d, attention output Hv (+ H*keys scores
+    on CPU)."""
     m, d, H = cfg.mla, cfg.d_model, cfg.n_heads
     n, p, r, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+    keys = queries if keys is None else keys
+    per_query = keys / queries  # a key-side tensor's elements per query token
+    gathered = r + p if keys > queries else 0
     if mode == "selective":
-        return Elements(a=H * (n + p) + r + p + H * (n + v) + H * v + d + (0 if cuda else H * seq_len),
-                        f=H if cuda else 0)
-    common = Elements(a=d + r + p + 2 * r + 2 * H * v, f=1)
+        return Elements(a=H * (n + p) + r + p + per_query * (H * (n + v) + gathered) + H * v + d
+                        + (0 if cuda else H * keys), f=H if cuda else 0)
+    query_side = Elements(a=d + r + p + 2 * r + H * (n + p) + H * v, f=1)
     if cuda:
-        return common + Elements(a=2 * H * (n + p) + H * (n + v) - H * v, f=H)
-    return common + Elements(a=2 * H * (n + p) + H * seq_len)
+        return query_side + Elements(a=per_query * (H * (n + p) + H * (n + v) + gathered), f=H)
+    return query_side + Elements(a=per_query * (H * (n + p) + H * v + gathered) + H * keys)
 
 
 def swiglu_elements(d: int, inter: int, mode: str) -> Elements:
@@ -227,25 +273,31 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
     return inside, boundary + geometry.blocks_done(2 * (max(blocks) + 1) if blocks else 0)
 
 
-def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float) -> Elements:
-    """Saved inside one transformer block (norms and reads excluded) under none/selective."""
-    attn = mla_elements(cfg, mode, cuda, seq_len) if cfg.is_mla(block) else kda_elements(cfg, mode, cuda)
+def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float,
+                   cp: int = 1) -> Elements:
+    """Saved inside one transformer block (norms and reads excluded) under none/selective, per token of the
+    last cp rank (its T/cp queries see all T keys)."""
+    if cfg.is_mla(block):
+        attn = mla_elements(cfg, mode, cuda, seq_len // cp, seq_len)
+    else:
+        attn = kda_elements(cfg, mode, cuda, cp, seq_len)
     mlp = moe_elements(cfg, mode, capacity) if cfg.is_moe(block) else swiglu_elements(cfg.d_model, cfg.dense_inter, mode)
     norms = Elements(f=2) if mode == "none" else Elements()
     return attn + mlp + norms
 
 
 def activation_elements(cfg: ModelConfig, blocks: list[int], mode: str, *, last: bool, cuda: bool,
-                        seq_len: int, capacity: float = 1.0) -> dict[str, Elements]:
-    """Per token of one microbatch, for the transformer blocks a rank runs: {'blocks', 'depth_state',
-    'head'}. 'blocks': inside the blocks (nothing under full); 'depth_state': the AttnRes block storage
-    and what crosses block boundaries, kept in every mode (b_0, the embedding, is one of the blocks);
+                        seq_len: int, capacity: float = 1.0, cp: int = 1) -> dict[str, Elements]:
+    """Per token of one microbatch (of the last cp rank under cp), for the transformer blocks a rank runs:
+    {'blocks', 'depth_state', 'head'}. 'blocks': inside the blocks (nothing under full); 'depth_state': the
+    AttnRes block storage and what crosses block boundaries, kept in every mode (b_0, the embedding, is one of
+    the blocks);
     'head' (last stage): the final read and norm 3d and the loss's fp32 log-softmax V."""
     d = cfg.d_model
     inner = Elements()
     if mode != "full":
         for block in blocks:
-            inner = inner + block_elements(cfg, block, mode, cuda, seq_len, capacity)
+            inner = inner + block_elements(cfg, block, mode, cuda, seq_len, capacity, cp)
     inside, boundary = _reads(cfg, blocks)
     if mode == "none":
         inner = inner + Elements(a=inside * d)
@@ -308,7 +360,7 @@ def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, m
     bf16 = resolve_precision(precision, torch.device(device)) == torch.bfloat16
     act = 2 if bf16 else 4
     counts = counts or count_rank_parameters(cfg, layout)
-    tokens = micro_batch * seq_len / layout.tp  # sequence parallelism: every rank holds T/tp tokens
+    tokens = micro_batch * seq_len / layout.sequence_ranks  # cp slices, each cut tp ways by sequence parallelism
     ep_capacity = capacity if layout.ep > 1 else 1.0
     best = None
     for rank, count in enumerate(counts):
@@ -317,12 +369,12 @@ def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, m
         per_mode = {}
         for m in MODES:
             parts = activation_elements(cfg, count.blocks, m, last=rank == layout.pp - 1,
-                                        cuda=cuda, seq_len=seq_len, capacity=ep_capacity)
+                                        cuda=cuda, seq_len=seq_len, capacity=ep_capacity, cp=layout.cp)
             per_mode[m] = {k: v.bytes(act) * tokens for k, v in parts.items()}
         flight = in_flight_microbatches(layout, microbatches) if rank == 0 else \
             max(1.0, in_flight_microbatches(layout, microbatches) - rank / layout.vp)
         p = Plan(layout, mode, device, params=count.rank, in_flight=flight, stage=rank, runtime_bytes=runtime_bytes)
-        shard = layout.fsdp
+        shard = layout.fsdp * layout.cp if layout.fsdp > 1 else 1  # FSDP shards over fsdp x cp
         plain = count.routed_experts if layout.ep > 1 and shard > 1 else 0  # ep slices fully_shard leaves out
         sharded = count.rank - plain
         state = sharded / shard + plain
@@ -337,8 +389,8 @@ def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, m
                 p.transient_bytes += (gathered + 4) * count.largest_unit
             p.autocast_copy_bytes = 2 * plain if bf16 else 0
         else:
-            if layout.dp > 1:
-                # DDP ignores expert slices under ep (they average over their own ranks)
+            if layout.dp * layout.cp > 1:
+                # DDP (over dp x cp) ignores expert slices under ep (they average over their own ranks)
                 p.ddp_bucket_bytes = 4 * (count.rank - (count.routed_experts if layout.ep > 1 else 0))
             if bf16:
                 p.autocast_copy_bytes = 2 * count.rank
@@ -348,8 +400,8 @@ def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, m
         p.activation_per_microbatch = sum(per_mode[mode].values())
         p.activation_bytes = p.activation_per_microbatch * flight
         if mode != "none":  # backward recomputes one block at a time: its `none` activations live briefly
-            p.transient_bytes += max(block_elements(cfg, b, "none", cuda, seq_len, ep_capacity).bytes(act)
-                                     for b in count.blocks) * tokens
+            recomputed = (block_elements(cfg, b, "none", cuda, seq_len, ep_capacity, layout.cp) for b in count.blocks)
+            p.transient_bytes += max(e.bytes(act) for e in recomputed) * tokens
         p.depth_state_bytes = per_mode[mode]["depth_state"] * flight
         if best is None or p.total_bytes > best.total_bytes:
             best = p
@@ -363,14 +415,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[Degrees]:
-    """Every (dp, fsdp, pp, vp, tp, ep) with dp*fsdp*pp*tp = gpus that the model's shape allows:
-    tp divides heads, dense width and seq_len (at most `max_tp`: one node); pp*vp <= blocks; ep divides
-    dp and the experts; vp in {1, 2}."""
+    """Every (dp, fsdp, cp, pp, vp, tp, ep) with dp*fsdp*cp*pp*tp = gpus that the model's shape and the
+    trainer allow: tp divides heads and dense width (at most `max_tp`: one node); cp*tp divides seq_len and a
+    cp slice holds the conv_kernel - 1 tokens KDA's convolution reads before it (trainer/config.py's
+    _validate_context_parallel, which refuses no other cp layout); pp*vp <= blocks; ep divides dp and the
+    experts; vp in {1, 2}."""
     out = []
-    for tp, pp in itertools.product(_divisors(gpus), _divisors(gpus)):
-        if tp > max_tp or gpus % (tp * pp) or any(v % tp for v in (cfg.n_heads, cfg.dense_inter, seq_len)):
+    for tp, cp, pp in itertools.product(_divisors(gpus), repeat=3):
+        if tp > max_tp or gpus % (tp * cp * pp) or any(v % tp for v in (cfg.n_heads, cfg.dense_inter)):
             continue
-        rest = gpus // (tp * pp)
+        if seq_len % (cp * tp) or seq_len // cp < cfg.kda.conv_kernel - 1:
+            continue
+        rest = gpus // (tp * cp * pp)
         for fsdp in _divisors(rest):
             dp = rest // fsdp
             for ep in _divisors(dp):
@@ -378,7 +434,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8
                     continue
                 for vp in (1, 2) if pp > 1 else (1,):
                     if pp * vp <= cfg.n_blocks:
-                        out.append(Degrees(dp, fsdp, pp, vp, tp, ep))
+                        out.append(Degrees(dp, fsdp, pp, vp, tp, ep, cp))
     return out
 
 
@@ -387,7 +443,8 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
            precision: str = "auto") -> list[Plan]:
     """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
     stages (bubble and message traffic), then least recomputation (none < selective < full), then least
-    tensor parallelism, then the most memory left."""
+    tensor parallelism, then least context parallelism (its gathers, and the uneven attention of a contiguous
+    split: the last rank scores all T keys), then the most memory left."""
     budget = gpu_bytes * (1 - headroom)
     fitting = []
     cache: dict[tuple, list[ParamCount]] = {}
@@ -406,5 +463,6 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
             if p.total_bytes <= budget:
                 fitting.append(p)
     order = {"none": 0, "selective": 1, "full": 2}
-    fitting.sort(key=lambda p: (p.layout.pp * p.layout.vp, order[p.mode], p.layout.tp, p.total_bytes))
+    fitting.sort(key=lambda p: (p.layout.pp * p.layout.vp, order[p.mode], p.layout.tp, p.layout.cp,
+                                p.total_bytes))
     return fitting

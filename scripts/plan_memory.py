@@ -2,6 +2,8 @@
 
     python -m scripts.plan_memory model=kimi_linear_48b parallel.fsdp=8 parallel.ep=8 train.seq_len=4096 \
         train.micro_batch=1 --gpus 64 --gpu-mem-gib 80 [train.activation_checkpointing=full] [--search]
+    python -m scripts.plan_memory model=kimi_linear_48b train.seq_len=131072 train.micro_batch=1 \
+        variant.two_phase=false --gpus 64 --gpu-mem-gib 80 --search   # 128K tokens: fits with parallel.cp
     python -m scripts.plan_memory --check-cpu     # real CPU runs at model=m, planned vs measured peak
 
 Overrides are the trainer's (Hydra, trainer.config.load_config); parallel.* are read by the planner itself,
@@ -23,7 +25,7 @@ from parallel.dims import Degrees
 from parallel.memory_plan import GIB, MIB, MODES, Plan, plan, search
 from trainer.config import ConfigError, load_config, validate
 
-LAYOUT_KEYS = ("dp", "fsdp", "pp", "vp", "tp", "ep")
+LAYOUT_KEYS = ("dp", "fsdp", "cp", "pp", "vp", "tp", "ep")
 STEADY_STATE = 1 << 20  # microbatches when train.global_batch is not given
 
 
@@ -36,6 +38,7 @@ def refusal(cfg, layout: Degrees) -> str | None:
     trial = copy.deepcopy(cfg)
     trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
     trial.parallel.vp, trial.parallel.tp, trial.parallel.ep = layout.vp, layout.tp, layout.ep
+    trial.parallel.cp = layout.cp
     if layout.vp > 1 and trial.parallel.schedule not in ("interleaved_1f1b", "zero_bubble"):
         trial.parallel.schedule = "interleaved_1f1b"
     if layout.vp == 1 and layout.pp > 1 and trial.parallel.schedule == "interleaved_1f1b":
@@ -64,13 +67,14 @@ def parse_layout(overrides: list[str], gpus: int) -> tuple[Degrees, list[str]]:
                 raise PlanError(f"{key}={value} must be a positive integer")
         else:
             rest.append(item)
-    ranks = values.get("fsdp", 1) * values.get("pp", 1) * values.get("tp", 1)
+    ranks = values.get("fsdp", 1) * values.get("cp", 1) * values.get("pp", 1) * values.get("tp", 1)
     if gpus % ranks:
-        raise PlanError(f"--gpus {gpus} is not divisible by parallel.fsdp * parallel.pp * parallel.tp = {ranks}")
+        raise PlanError(f"--gpus {gpus} is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp "
+                        f"= {ranks}")
     values.setdefault("dp", gpus // ranks)
     layout = Degrees(**values)
     if layout.world != gpus:
-        raise PlanError(f"parallel.dp * fsdp * pp * tp = {layout.world} does not match --gpus {gpus}")
+        raise PlanError(f"parallel.dp * fsdp * cp * pp * tp = {layout.world} does not match --gpus {gpus}")
     if layout.dp % layout.ep:
         raise PlanError(f"parallel.ep={layout.ep} must divide parallel.dp={layout.dp} (ep is carved out of dp)")
     return layout, rest
@@ -82,9 +86,15 @@ def check_shape(cfg, layout: Degrees) -> None:
         raise PlanError(f"parallel.ep={layout.ep} must divide model.moe.n_routed_experts={m.moe.n_routed_experts}")
     if layout.pp * layout.vp > m.n_blocks:
         raise PlanError(f"parallel.pp * parallel.vp = {layout.pp * layout.vp} is more than model.n_blocks={m.n_blocks}")
-    for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter), ("train.seq_len", t.seq_len)):
+    for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter)):
         if value % layout.tp:
             raise PlanError(f"{key}={value} must be divisible by parallel.tp={layout.tp}")
+    if t.seq_len % layout.sequence_ranks:
+        raise PlanError(f"train.seq_len={t.seq_len} must be divisible by parallel.cp * parallel.tp = "
+                        f"{layout.cp} * {layout.tp}")
+    if t.seq_len // layout.cp < m.kda.conv_kernel - 1:
+        raise PlanError(f"train.seq_len / parallel.cp = {t.seq_len // layout.cp} tokens per slice is fewer than "
+                        f"model.kda.conv_kernel - 1 = {m.kda.conv_kernel - 1}")
 
 
 def microbatches_of(cfg, layout: Degrees, explicit_batch: bool) -> int:
@@ -103,9 +113,9 @@ def gib(n: float) -> str:
 
 def report(p: Plan, budget: float, gpu_bytes: float, headroom: float, refused: str | None) -> list[str]:
     lay = p.layout
-    lines = [f"layout {lay.name()}: dp={lay.dp} fsdp={lay.fsdp} pp={lay.pp} vp={lay.vp} tp={lay.tp} ep={lay.ep}; "
-             f"device {p.device}; planned rank: pipeline stage {p.stage} of {lay.pp}",
-             f"  parameters held        {p.params / 1e9:9.3f} B (before fsdp)",
+    lines = [f"layout {lay.name()}: dp={lay.dp} fsdp={lay.fsdp} cp={lay.cp} pp={lay.pp} vp={lay.vp} tp={lay.tp} "
+             f"ep={lay.ep}; device {p.device}; planned rank: pipeline stage {p.stage} of {lay.pp}",
+             f"  parameters held        {p.params / 1e9:9.3f} B (before fsdp x cp)",
              f"  parameters             {gib(p.param_bytes)}",
              f"  gradients              {gib(p.grad_bytes)}",
              f"  optimizer state        {gib(p.optimizer_bytes)}  (AdamW, fp32 moments)"]
@@ -116,7 +126,8 @@ def report(p: Plan, budget: float, gpu_bytes: float, headroom: float, refused: s
     for mode in MODES:
         mark = "  <-" if mode == p.mode else ""
         lines.append(f"  activations {mode:<10} {gib(p.activations_by_mode[mode])}{mark}")
-    lines += [f"    per microbatch       {gib(p.activation_per_microbatch)}",
+    lines += [f"    per microbatch       {gib(p.activation_per_microbatch)}"
+              + (f"  (the last of {lay.cp} cp ranks: its slice's queries see every key)" if lay.cp > 1 else ""),
               f"    in flight            {p.in_flight:9.2f} microbatches (pipeline stage {p.stage})",
               f"    AttnRes block storage{gib(p.depth_state_bytes)}  (included above)",
               f"  transient              {gib(p.transient_bytes)}  (fsdp unit gathered x2 for prefetch + its "
@@ -152,12 +163,12 @@ def run_plan(args, overrides: list[str]) -> None:
             found = [(p, refused) for p, refused in found if refused is None]
         print(f"{len(found)} layouts fit {args.gpus} x {args.gpu_mem_gib:g} GiB at seq_len={cfg.train.seq_len} "
               f"micro_batch={cfg.train.micro_batch} global_batch={global_batch} (best first: fewest pipeline chunks, "
-              f"then none < selective < full recomputation, then least tp, then least memory; host GiB: RAM per rank "
-              f"at start-up)")
-        print(f"{'layout':<28} {'ckpt':<10} {'total GiB':>9} {'host GiB':>8}  trainer today")
+              f"then none < selective < full recomputation, then least tp, then least cp, then least memory; "
+              f"host GiB: RAM per rank at start-up)")
+        print(f"{'layout':<28} {'cp':>3} {'ckpt':<10} {'total GiB':>9} {'host GiB':>8}  trainer today")
         for p, refused in found[:args.top]:
-            print(f"{p.layout.name():<28} {p.mode:<10} {p.total_bytes / GIB:9.2f} {p.host_start_bytes / GIB:8.1f}  "
-                  f"{'runs' if refused is None else 'refused: ' + refused}")
+            print(f"{p.layout.name():<28} {p.layout.cp:>3} {p.mode:<10} {p.total_bytes / GIB:9.2f} "
+                  f"{p.host_start_bytes / GIB:8.1f}  {'runs' if refused is None else 'refused: ' + refused}")
         return
     p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
              microbatches=microbatches_of(cfg, layout, explicit), mode=cfg.train.activation_checkpointing,
@@ -231,7 +242,8 @@ def check_cpu(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="trainer overrides (model=..., parallel.fsdp=..., train.seq_len=...)")
+    parser.add_argument("overrides", nargs="*",
+                        help="trainer overrides (model=..., parallel.fsdp=..., parallel.cp=..., train.seq_len=...)")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0)
     parser.add_argument("--headroom", type=float, default=0.10, help="share of GPU memory kept free (default 0.10)")

@@ -5,10 +5,14 @@ import io
 import subprocess
 
 import pytest
+import torch
 
 import scripts.plan_memory as plan_memory
+from parallel.context import ContextSplit
 from parallel.dims import Degrees
-from parallel.memory_plan import MIB, activation_elements, count_rank_parameters, plan
+from parallel.memory_plan import (GIB, MIB, activation_elements, candidate_layouts, count_rank_parameters,
+                                  kda_elements, mla_elements, plan, search)
+from scripts.bench_memory import StorageTracker
 from trainer.config import load_config
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -73,11 +77,14 @@ def test_search_lists_layouts_for_48b_on_64_gpus_of_80_gib():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines()[2:] if line.strip()]
     assert len(rows) >= 1
-    assert any(line.split()[1] in ("none", "full", "selective") and line.endswith("runs") for line in rows)
+    assert any(line.split()[2] in ("none", "full", "selective") and line.endswith("runs") for line in rows)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["parallel.fsdp=3", "--gpus", "64"], "error: --gpus 64 is not divisible by parallel.fsdp * parallel.pp * parallel.tp = 3"),
+    (["parallel.fsdp=3", "--gpus", "64"],
+     "error: --gpus 64 is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 3"),
+    (["parallel.cp=3", "--gpus", "6", "train.seq_len=128"],
+     "error: train.seq_len=128 must be divisible by parallel.cp * parallel.tp = 3 * 1"),
     (["parallel.ep=3", "--gpus", "6"], "error: parallel.ep=3 must divide model.moe.n_routed_experts=8"),
     (["parallel.pp=0"], "error: parallel.pp=0 must be a positive integer"),
     (["--gpus", "0"], "error: --gpus=0 must be >= 1"),
@@ -86,3 +93,125 @@ def test_bad_input_is_one_line(args, message):
     out = run_cli(*args)
     assert out.returncode == 2
     assert out.stderr.strip().startswith(message) and len(out.stderr.strip().splitlines()) == 1
+
+
+# -- context parallelism --------------------------------------------------------------------------------
+
+LONG = ["model=kimi_linear_48b", "train.seq_len=131072", "train.micro_batch=1", "--gpus", "64", "--gpu-mem-gib", "80"]
+
+
+class LastRankOfLocalSplit(ContextSplit):
+    """ContextSplit as the last of `size` ranks sees it, in one process: every gather returns `size` copies
+    of this rank's tensor, in a fresh storage as the collective's output is."""
+
+    def _gather(self, x):
+        return x.unsqueeze(0).expand(self.size, *x.shape).contiguous()  # (size, ...)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_token_mixers_under_cp_match_the_storage_tracker(cp):
+    """What a KDA and an MLA layer keep for backward on the last cp rank (CPU, fp32, model=m), measured
+    op by op (scripts/bench_memory.py's tracker) against kda_elements / mla_elements."""
+    from model.kda import KimiDeltaAttention
+    from model.mla import MultiHeadLatentAttention
+    cfg = load_config(["model=m"]).model
+    batch, seq_len = 2, 512
+    tokens = batch * seq_len // cp
+    planned = {"kda": kda_elements(cfg, "none", False, cp, seq_len),
+               "mla": mla_elements(cfg, "none", False, seq_len // cp, seq_len)}
+    torch.manual_seed(0)
+    for name, mixer in (("kda", KimiDeltaAttention(cfg)), ("mla", MultiHeadLatentAttention(cfg))):
+        if cp > 1:
+            mixer.sequence_split = LastRankOfLocalSplit(None, cp - 1, cp)
+        x = torch.randn(batch, seq_len // cp, cfg.d_model, requires_grad=True)
+        with StorageTracker(mixer) as tracker:
+            out = mixer(x)
+        measured = tracker.current - out.untyped_storage().nbytes()
+        planned_bytes = (planned[name].bytes(4) - cfg.d_model * 4) * tokens  # x, the input, is not tracked
+        assert planned_bytes == pytest.approx(measured, rel=0.1), name
+
+
+def test_token_local_activations_fall_as_one_over_cp():
+    """Under full checkpointing a rank keeps only token-local tensors (the AttnRes block storage, the head's
+    log-softmax): exactly 1/cp of them. Inside a KDA block, cp adds its augmented run: still far below cp=1."""
+    cfg = load_config(["model=kimi_linear_48b"]).model
+    seq_len = 131072
+
+    def activations(cp, mode):
+        return plan(cfg, Degrees(fsdp=8 // cp, cp=cp), seq_len=seq_len, micro_batch=1, microbatches=1,
+                    mode=mode).activations_by_mode[mode]
+
+    for cp in (2, 4, 8):
+        assert activations(cp, "full") == pytest.approx(activations(1, "full") / cp)
+    kda_block = next(b for b in range(cfg.n_blocks) if not cfg.is_mla(b))
+    for cp in (2, 8):
+        whole = activation_elements(cfg, [kda_block], "none", last=False, cuda=True, seq_len=seq_len)
+        sliced = activation_elements(cfg, [kda_block], "none", last=False, cuda=True, seq_len=seq_len, cp=cp)
+        whole_bytes = sum(e.bytes(2) for e in whole.values()) * seq_len
+        rank_bytes = sum(e.bytes(2) for e in sliced.values()) * seq_len / cp
+        assert whole_bytes / cp < rank_bytes < 1.3 * whole_bytes / cp
+
+
+def test_mla_last_cp_rank_keeps_keys_and_values_of_the_whole_sequence():
+    """The last rank recomputes K and V for all T tokens from the gathered latents (r + p per token) and
+    its T/cp queries score all T keys (CPU: the probabilities H x T/cp x T)."""
+    cfg = load_config(["model=kimi_linear_48b"]).model
+    m, H, T, cp = cfg.mla, cfg.n_heads, 131072, 8
+    n, p, r, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+    for cuda, key_side in ((True, H * (n + p) + H * (n + v)), (False, H * (n + p) + H * v)):
+        whole = mla_elements(cfg, "none", cuda, T).a * T
+        last_rank = mla_elements(cfg, "none", cuda, T // cp, T).a * (T // cp)
+        query_side = whole - key_side * T - (0 if cuda else H * T * T)
+        expected = query_side / cp + (key_side + r + p) * T + (0 if cuda else H * T // cp * T)
+        assert last_rank == pytest.approx(expected)
+
+
+def test_parameter_state_is_sharded_over_fsdp_times_cp_and_replicated_without_fsdp():
+    cfg = load_config(["model=m"]).model
+
+    def planned(layout):
+        return plan(cfg, layout, seq_len=128, micro_batch=2, microbatches=2, mode="none", device="cuda")
+
+    def state(layout):
+        p = planned(layout)
+        return p.param_bytes + p.grad_bytes + p.optimizer_bytes
+
+    assert state(Degrees(fsdp=2, cp=2)) == pytest.approx(state(Degrees(fsdp=4)))
+    assert state(Degrees(fsdp=2, cp=4)) == pytest.approx(state(Degrees()) / 8)
+    assert state(Degrees(cp=4)) == pytest.approx(state(Degrees()))
+    assert planned(Degrees(cp=2)).ddp_bucket_bytes == planned(Degrees(dp=2)).ddp_bucket_bytes > 0  # DDP over dp x cp
+
+
+@pytest.fixture(scope="module")
+def long_search():
+    """The 48B at 128K tokens on 64 x 80 GiB, with the per-layer depth read (variant.two_phase=false):
+    the two-phase read cannot cut a depth block of 7 sublayers, so its FSDP units are 7 transformer blocks
+    (13 B parameters, 104 GiB gathered with their gradients) and nothing fits."""
+    overrides = ["model=kimi_linear_48b", "variant.two_phase=false"]
+    cfg = load_config(overrides)
+    found = search(cfg.model, gpus=64, gpu_bytes=80 * GIB, headroom=0.10, seq_len=131072, micro_batch=1,
+                   global_batch=512)
+    return cfg, found
+
+
+def test_48b_at_128k_on_64_gpus_of_80_gib_fits_with_cp_only(long_search):
+    _, found = long_search
+    assert found and all(p.layout.cp > 1 for p in found)
+    out = run_cli(*LONG, "variant.two_phase=false", "--search")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:] if line.strip()]
+    assert rows[0][:3] == [found[0].layout.name(), str(found[0].layout.cp), found[0].mode]
+    assert all(int(row[1]) > 1 and row[-1] == "runs" for row in rows)
+    default = run_cli(*LONG, "--search")
+    assert default.returncode == 0 and default.stdout.startswith("0 layouts fit"), default.stdout
+
+
+def test_every_cp_layout_the_search_recommends_passes_the_trainer_validation(long_search):
+    cfg, found = long_search
+    assert [p.layout for p in found if plan_memory.refusal(cfg, p.layout) is not None] == []
+    small = load_config(["model=m", "train.seq_len=16"])  # 16 / cp >= conv_kernel - 1 leaves out cp = 8, 16
+    layouts = [layout for layout in candidate_layouts(small.model, 16, 16) if layout.cp > 1]
+    assert {layout.cp for layout in layouts} == {2, 4}
+    assert any(layout.ep > 1 for layout in layouts) and any(layout.fsdp > 1 and layout.tp > 1 for layout in layouts)
+    assert [(layout, plan_memory.refusal(small, layout)) for layout in layouts
+            if plan_memory.refusal(small, layout) is not None] == []
