@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from model.config import ModelConfig
 from model.documents import check_document_starts, same_document_causal_mask
@@ -99,13 +100,17 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope], dim=-1)  # (B, S, H, nope+rope)
 
         # With a past (cached or on earlier slices), is_causal would align the triangle top-left; query i sits
-        # at absolute position past + i.
+        # at absolute position past + i. On earlier slices causal_lower_right says so without a (T, S) mask in
+        # memory (flash and memory-efficient attention take it as is; 16K x 128K bools would be 2 GiB); a
+        # decode step's mask is one row, and compiled decode keeps one graph with a plain tensor.
         mask = None
         if document_starts is not None:
             key_starts = document_starts
             if split is not None:  # the documents of the earlier slices' keys
                 key_starts = split.through_mine(document_starts.unsqueeze(-1).float()).squeeze(-1).bool()  # (B, S)
             mask = same_document_causal_mask(key_starts, T)  # (B, 1, T, S)
+        elif split is not None and past > 0:
+            mask = causal_lower_right(T, S)
         elif past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
         out = F.scaled_dot_product_attention(
