@@ -9,11 +9,12 @@ is the step's loss minus cp=1's at the same length (context parallelism is exact
 
 Lengths run in increasing order; a length whose predicted peak times cp exceeds --machine-gib is skipped, so
 the benchmark cannot exhaust the machine. The prediction extrapolates the last measured peak by the power of
-the length that the last two measured (between 1, linear, and 2, attention's T x T), or by 2 after one. `fits` marks the lengths whose peak per rank is within --budget-gib, and the
-summary gives the longest one for each cp.
+the length that the last two measured (between 1, linear, and 2, attention's T x T), or by 2 after one.
+The summary gives, for each memory budget per rank (--budget-gib, several allowed), the longest measured
+length each cp fits in it.
 
     python -m scripts.bench_context [--model s] [--variant block] [--seq 2048 4096 8192 16384 32768]
-                                    [--cp 1 2 4] [--budget-gib 2] [--machine-gib 16] [--repeats 3]
+                                    [--cp 1 2 4] [--budget-gib 1 2 4] [--machine-gib 16] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -108,13 +109,18 @@ def launch(args, cp: int) -> list[dict]:
     return [json.loads(line[7:]) for line in process.stdout.splitlines() if line.startswith("RESULT ")]
 
 
+def _longest_within(rows: list[dict], budget_gib: float) -> str:
+    fitting = [r["seq"] for r in rows if "peak_bytes" in r and r["peak_bytes"] <= budget_gib * GIB]
+    return str(max(fitting)) if fitting else "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="s")
     parser.add_argument("--variant", default="block")
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--budget-gib", type=float, default=2.0)
+    parser.add_argument("--budget-gib", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     parser.add_argument("--machine-gib", type=float, default=16.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -132,8 +138,8 @@ def main() -> None:
     reference = {r["seq"]: r["loss"] for r in results.get(1, []) if "loss" in r}
     print(f"model={args.model} variant={args.variant}, one sequence per step, fp32 on "
           f"{'cuda' if torch.cuda.is_available() else 'cpu'} ({args.threads} cores shared by a launch's ranks); "
-          f"peak: most tensor bytes alive on one rank during forward+backward; budget {args.budget_gib:g} GiB")
-    print(f"{'cp':>3} {'seq':>6} {'peak GiB/rank':>14} {'x cp1':>6} {'fits':>5} {'step s (median [min, max])':>28} "
+          f"peak: most tensor bytes alive on one rank during forward+backward")
+    print(f"{'cp':>3} {'seq':>6} {'peak GiB/rank':>14} {'x cp1':>6} {'step s (median [min, max])':>28} "
           f"{'tokens/s':>9} {'loss - cp1':>11}")
     for cp, rows in results.items():
         for row in rows:
@@ -146,13 +152,13 @@ def main() -> None:
             median = statistics.median(row["seconds"])
             spread = f"{median:.2f} [{min(row['seconds']):.2f}, {max(row['seconds']):.2f}]"
             delta = f"{row['loss'] - reference[row['seq']]:+.1e}" if row["seq"] in reference else "-"
-            fits = "yes" if row["peak_bytes"] <= args.budget_gib * GIB else "no"
-            print(f"{cp:>3} {row['seq']:>6} {row['peak_bytes'] / GIB:>14.3f} {ratio:>6} {fits:>5} {spread:>28} "
+            print(f"{cp:>3} {row['seq']:>6} {row['peak_bytes'] / GIB:>14.3f} {ratio:>6} {spread:>28} "
                   f"{row['seq'] / median:>9.0f} {delta:>11}")
-    for cp, rows in results.items():
-        fitting = [r["seq"] for r in rows if "peak_bytes" in r and r["peak_bytes"] <= args.budget_gib * GIB]
-        print(f"cp={cp}: longest measured sequence within {args.budget_gib:g} GiB per rank: "
-              f"{max(fitting) if fitting else 'none'}")
+    print("longest measured sequence within a budget per rank: "
+          + "; ".join(f"{budget:g} GiB: " + ", ".join(f"cp{cp} {_longest_within(rows, budget)}"
+                                                        for cp, rows in results.items())
+                      for budget in args.budget_gib))
+
 
 
 if __name__ == "__main__":
