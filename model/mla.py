@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes  # private: pinned torch (setup.py)
 
 from model.config import ModelConfig
 from model.documents import check_document_starts, same_document_causal_mask
@@ -110,7 +111,10 @@ class MultiHeadLatentAttention(nn.Module):
                 key_starts = split.through_mine(document_starts.unsqueeze(-1).float()).squeeze(-1).bool()  # (B, S)
             mask = same_document_causal_mask(key_starts, T)  # (B, 1, T, S)
         elif split is not None and past > 0:
-            mask = causal_lower_right(T, S)
+            # A tensor subclass: made outside any dispatch mode (selective checkpointing, memory tracking),
+            # which would hand it a plain tensor's storage; SDPA's ops on it still run under the mode.
+            with _disable_current_modes():
+                mask = causal_lower_right(T, S)
         elif past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
         out = F.scaled_dot_product_attention(

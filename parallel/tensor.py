@@ -23,7 +23,7 @@ import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard  # private: pinned torch (pyproject)
+from torch.distributed.tensor.placement_types import _StridedShard  # private: pinned torch (setup.py)
 
 from model.decoder import Decoder
 from model.kda import KimiDeltaAttention

@@ -449,7 +449,8 @@ class Trainer:
         start = time.perf_counter()
         samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
         # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
-        whole_model = self.layout.pp == 1 and self.layout.tp == 1
+        # Diagnostics need the whole model and whole sequences on one rank (cp's first slice is not typical).
+        whole_model = self.layout.pp == 1 and self.layout.degrees.sequence_ranks == 1
         diagnostics = {} if (self.step + 1) % train.diag_every == 0 and whole_model else None
         micro_batches = []
         for micro in range(self.accumulation):

@@ -114,9 +114,9 @@ def logged(run_dir) -> dict:
 
 
 def test_training_under_torchrun_matches_none(tmp_path, tiny_dataset):
-    """Each layout with and without its checkpointing mode, the six runs in one torchrun launch: the same
+    """Each layout with and without its checkpointing mode, the eight runs in one torchrun launch: the same
     losses, gradient norms, expert loads and diagnostics, bitwise."""
-    layouts = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective"}
+    layouts = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective", "cp2": "selective"}
     runs = [fast_train_overrides(tmp_path / layout / ac, tiny_dataset, steps=3, parallel=layout,
                                  **{"train.activation_checkpointing": ac})
             for layout, mode in layouts.items() for ac in ("none", mode)]
