@@ -3,6 +3,7 @@ step in one process, for many layouts in one launch. Every rank checks the gradi
 parameters it holds against its own single-process copy; rank 0 prints one JSON line per case. On 2
 processes two more cases ("precision": "bf16"): the trainer's pipeline engine at train.precision=bf16
 (CPU autocast) against one process under the same autocast."""
+import functools
 import json
 import sys
 
@@ -37,13 +38,14 @@ def cases(pp: int):
                            "cache": cache}
 
 
-def run_case(case: dict, rank: int) -> dict:
-    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={case['variant']}", *case["extra"]])
-    microbatches = 2 * case["pp"]
+@functools.cache
+def one_process(variant: str, extra: tuple[str, ...], microbatches: int):
+    """(config, inputs, targets, the step's loss, every parameter's gradient) in one process: the same for
+    every layout and schedule of a variant, so computed once per variant."""
+    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={variant}", *extra])
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, cfg.model.vocab_size, (microbatches * MICRO_BATCH, SEQ + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-
     torch.manual_seed(0)
     reference = build_model(cfg)
     losses = []
@@ -51,7 +53,12 @@ def run_case(case: dict, rank: int) -> dict:
         loss = cross_entropy(reference(x), y)
         ((loss + reference.aux_loss()) / microbatches).backward()
         losses.append(loss.detach())
-    reference_loss = torch.stack(losses).mean()
+    return cfg, inputs, targets, torch.stack(losses).mean(), {n: p.grad for n, p in reference.named_parameters()}
+
+
+def run_case(case: dict, rank: int) -> dict:
+    microbatches = 2 * case["pp"]
+    cfg, inputs, targets, reference_loss, expected = one_process(case["variant"], tuple(case["extra"]), microbatches)
 
     torch.manual_seed(0)
     plan = PipelinePlan(cfg.model, case["pp"], case["vp"], case["cache"])
@@ -61,8 +68,7 @@ def run_case(case: dict, rank: int) -> dict:
         for chunk in runner.chunks:
             chunk.aux_loss_scale = 0.0
     loss = runner.step(inputs, targets)
-    expected = dict(reference.named_parameters())
-    worst = max((p.grad - expected[name].grad).abs().max().item() for name, p in runner.rank_model.named_parameters())
+    worst = max((p.grad - expected[name]).abs().max().item() for name, p in runner.rank_model.named_parameters())
     result = torch.tensor([abs(loss.item() - reference_loss.item()), worst])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return {**case, "loss_error": result[0].item(), "grad_error": result[1].item(),

@@ -40,7 +40,7 @@ CASES = {
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"},
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "cp": 2, "variant": "block"},
-          {"dp": 1, "fsdp": 2, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "full"},
+          *({"dp": 1, "fsdp": 2, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": v} for v in ("baseline", "full", "block")),
           {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 4, "variant": "block"},  # a chain over three earlier slices
           {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "cp": 2, "variant": "block"}],  # experts averaged over dp x cp
 }
