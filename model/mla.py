@@ -1,8 +1,8 @@
 """Multi-head latent attention as in Kimi Linear: NoPE (nothing is rotated), no query compression,
 and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. With
 document_starts (model/documents.py) the causal mask is block-diagonal: a query sees its own document. With a
-`sequence_split` (model/sequence_split.py) x is one slice of the sequence, and its queries also attend to the
-kv latents of the slices before it."""
+`sequence_split` (model/sequence_split.py) x is one slice of the sequence: queries are scored in pieces that
+balance the causal work across the slices' processes, over keys recomputed from every slice's kv latent."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,41 +85,64 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, rank), (B, T, rope)
         latent = self.kv_a_norm(latent)
 
+        if split is not None:
+            return self.o_proj(self._split_attention(split, q, latent, k_rope, document_starts))
         past = 0
         if cache is not None:
             past = cache.length
             latent, k_rope = cache.append(latent, k_rope)  # (B, S, rank), (B, S, rope); S = past + T
-        elif split is not None:  # the earlier slices' tokens are this slice's past, gradients included
-            latent, k_rope = split.through_mine(torch.cat([latent, k_rope], dim=-1)).split(
-                [self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, S, rank), (B, S, rope)
-            past = latent.shape[1] - T
-        S = latent.shape[1]
-
-        kv = self.kv_b_proj(latent).view(B, S, H, self.nope_dim + self.v_dim)  # (B, S, H, nope+v)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, S, H, nope), (B, S, H, v)
-        k_rope = k_rope.unsqueeze(2).expand(B, S, H, self.rope_dim)  # (B, S, H, rope): one slice for all heads
-        k = torch.cat([k_nope, k_rope], dim=-1)  # (B, S, H, nope+rope)
-
-        # With a past (cached or on earlier slices), is_causal would align the triangle top-left; query i sits
-        # at absolute position past + i. On earlier slices causal_lower_right says so without a (T, S) mask in
-        # memory (flash and memory-efficient attention take it as is; 16K x 128K bools would be 2 GiB); a
-        # decode step's mask is one row, and compiled decode keeps one graph with a plain tensor.
+        k, v = self._keys_values(latent, k_rope)  # (B, S, H, nope+rope), (B, S, H, v)
+        S = k.shape[1]
+        # With a past, is_causal would align the triangle top-left; query i sits at absolute position past + i.
         mask = None
         if document_starts is not None:
-            key_starts = document_starts
-            if split is not None:  # the documents of the earlier slices' keys
-                key_starts = split.through_mine(document_starts.unsqueeze(-1).float()).squeeze(-1).bool()  # (B, S)
-            mask = same_document_causal_mask(key_starts, T)  # (B, 1, T, S)
-        elif split is not None and past > 0:
-            # A tensor subclass: made outside any dispatch mode (selective checkpointing, memory tracking),
-            # which would hand it a plain tensor's storage; SDPA's ops on it still run under the mode.
-            with _disable_current_modes():
-                mask = causal_lower_right(T, S)
+            mask = same_document_causal_mask(document_starts)  # (B, 1, T, T)
         elif past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
+        return self.o_proj(self._attend(q, k, v, mask))
+
+    def _keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised latents (B, S, rank) and shared slices (B, S, rope) -> keys (B, S, H, nope+rope) and
+        values (B, S, H, v)."""
+        B, S, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(B, S, -1, self.nope_dim + self.v_dim)  # (B, S, H, nope+v)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, S, H, nope), (B, S, H, v)
+        k_rope = k_rope.unsqueeze(2).expand(B, S, k_nope.shape[2], self.rope_dim)  # (B, S, H, rope): one for all heads
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        """q (B, T, H, D) over k, v (B, S, H, .) -> (B, T, H*v); mask None: causal from the first key."""
+        B, T = q.shape[:2]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H, T|S, D)
             attn_mask=mask, is_causal=mask is None, scale=self.scale,
         )  # (B, H, T, v)
-        out = out.transpose(1, 2).reshape(B, T, H * self.v_dim)  # (B, T, H*v)
-        return self.o_proj(out)
+        return out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*v)
+
+    def _split_attention(self, split: SequenceSplit, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                         starts: torch.Tensor | None) -> torch.Tensor:
+        """One slice of a sequence split across processes -> (B, T, H*v). The queries move to the pieces this
+        process scores (equal causal work everywhere), each piece attends over the sequence's keys up to its
+        own end, recomputed from every slice's latents (the gathered kv latent and shared slice: small next to
+        keys and values), and the outputs move back."""
+        pieces = split.scored_pieces(q.shape[1])
+        end = max(start + length for start, length in pieces)
+        latent, k_rope = split.through(torch.cat([latent, k_rope], dim=-1), end).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, end, rank), (B, end, rope)
+        if starts is not None:  # every key's document
+            starts = split.through(starts.unsqueeze(-1).float(), end).squeeze(-1).bool()  # (B, end)
+        k, v = self._keys_values(latent, k_rope)  # (B, end, H, nope+rope), (B, end, H, v)
+        outputs = []
+        for (start, length), q_piece in zip(pieces, split.balance(q).split([n for _, n in pieces], dim=1)):
+            stop = start + length  # the piece's queries are the last `length` of keys [0, stop)
+            if starts is not None:
+                mask = same_document_causal_mask(starts[:, :stop], length)  # (B, 1, length, stop)
+            else:
+                # causal_lower_right aligns the queries with the last keys without a mask in memory (flash and
+                # memory-efficient attention take it as is; 16K x 128K bools would be 2 GiB). A tensor subclass:
+                # made outside any dispatch mode (selective checkpointing, memory tracking), which would hand
+                # it a plain tensor's storage; SDPA's ops on it still run under the mode.
+                with _disable_current_modes():
+                    mask = causal_lower_right(length, stop)
+            outputs.append(self._attend(q_piece, k[:, :stop], v[:, :stop], mask))  # (B, length, H*v)
+        return split.unbalance(torch.cat(outputs, dim=1))  # (B, T, H*v)

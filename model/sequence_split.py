@@ -17,9 +17,20 @@ class SequenceSplit(Protocol):
     def previous_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x (B, T, D), this slice -> (B, n, D): the last n tokens of the slice before it (zeros on the first)."""
 
-    def through_mine(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, D), this slice -> (B, S, D): every slice from the sequence's start through this one, in
-        order (S = T times this slice's index plus one)."""
+    def through(self, x: torch.Tensor, end: int) -> torch.Tensor:
+        """x (B, T, D), this slice -> (B, end, D): the sequence's x from its start to position `end`, from
+        every slice (`end` at most the sequence's end; gradients flow back to the slices)."""
+
+    def scored_pieces(self, length: int) -> list[tuple[int, int]]:
+        """(start, length) in the whole sequence of each piece of queries this process scores, in the order
+        `balance` lays them out, for a slice of `length` tokens: pieces chosen so that every process does the
+        same causal attention work."""
+
+    def balance(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, ...), this slice's queries -> (B, T, ...), the queries of `scored_pieces`, in order."""
+
+    def unbalance(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of `balance`: (B, T, ...) per scored piece -> (B, T, ...) in this slice's order."""
 
     def start_state(self, final: torch.Tensor, transition: torch.Tensor) -> torch.Tensor:
         """A linear recurrence's state at this slice's start, from each slice's final state when started

@@ -10,11 +10,12 @@ slices, through the `SequenceSplit` seam (model/sequence_split.py) that `Context
   (kda_chunk_from_unknown_start), the ranks all-gather (final state, transition), and each chains the
   earlier ones in fp32 into its true start state and corrects its outputs by it;
 - MLA all-gathers the normalised kv latent plus the shared key slice (kv_lora_rank + qk_rope_head_dim per
-  token, small next to full keys and values) and attends over slices 0..r with the causal mask on global
-  positions. The split is contiguous, not zigzag: rank r scores (r+1)/cp of the keys (docs/TRAINING.md).
+  token, small next to full keys and values) and recomputes the keys and values. The slices are contiguous
+  (KDA's chain wants them so), but the causal work is balanced: the queries move, with one all-to-all each
+  way, to a zigzag layout (rank r scores chunks r and 2cp - 1 - r of 2cp), as in zigzag ring attention.
 
 The all-gathers are torch's autograd-aware functional collectives, so the backward pass is exact too: a
-gather's backward reduce-scatters the gradients of what the later ranks read. That backward is a collective,
+gather's backward reduce-scatters the gradients of what the other ranks read. That backward is a collective,
 so every rank's result depends on every gather, by a zero term where the rank reads nothing (rank 0).
 A parameter's gradient from the rank's own tokens is part of the sum over the cp ranks, which the data
 parallelism's averaging over `dp_cp_group` completes (the loss is each rank's mean over its tokens).
@@ -46,9 +47,42 @@ class ContextSplit:
             return tails[0] * 0  # the sequence's start: zero history, still on the gather's backward
         return tails[self.rank - 1]
 
-    def through_mine(self, x: torch.Tensor) -> torch.Tensor:
-        slices = self._gather(x)[:self.rank + 1]  # (rank+1, B, T, D)
-        return torch.cat(slices.unbind(0), dim=1)  # (B, (rank+1) T, D)
+    def through(self, x: torch.Tensor, end: int) -> torch.Tensor:
+        return torch.cat(self._gather(x).unbind(0), dim=1)[:, :end]  # (B, end, D)
+
+    # MLA's balance: the sequence in 2 * size equal chunks; rank r holds chunks 2r and 2r+1 and scores the
+    # queries of chunks r and 2 size - 1 - r, a short and a long causal row: the same work on every rank.
+
+    def scored_chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def _scorer(self, chunk: int) -> int:
+        return chunk if chunk < self.size else 2 * self.size - 1 - chunk
+
+    def scored_pieces(self, length: int) -> list[tuple[int, int]]:
+        return [(chunk * (length // 2), length // 2) for chunk in self.scored_chunks()]
+
+    def balance(self, x: torch.Tensor) -> torch.Tensor:
+        held = (2 * self.rank, 2 * self.rank + 1)
+        return self._route(x, held, self.scored_chunks(), source_of=lambda c: c // 2, destination_of=self._scorer)
+
+    def unbalance(self, x: torch.Tensor) -> torch.Tensor:
+        held = (2 * self.rank, 2 * self.rank + 1)
+        return self._route(x, self.scored_chunks(), held, source_of=self._scorer, destination_of=lambda c: c // 2)
+
+    def _route(self, x: torch.Tensor, mine: tuple[int, int], wanted: tuple[int, int], source_of,
+               destination_of) -> torch.Tensor:
+        """x (B, T, ...) holding chunks `mine` in order -> (B, T, ...) holding chunks `wanted` in order, every
+        chunk c sent from rank source_of(c) to rank destination_of(c) in one all-to-all (autograd: its backward
+        sends the gradients back)."""
+        pieces = x.unflatten(1, (2, -1)).movedim(1, 0)  # (2, B, T/2, ...)
+        outgoing = sorted(range(2), key=lambda i: (destination_of(mine[i]), mine[i]))
+        incoming = sorted(wanted, key=lambda c: (source_of(c), c))
+        send_counts = [sum(destination_of(c) == r for c in mine) for r in range(self.size)]
+        receive_counts = [sum(source_of(c) == r for c in wanted) for r in range(self.size)]
+        received = funcol.all_to_all_single_autograd(pieces[outgoing].contiguous(), receive_counts, send_counts,
+                                                     self.group)  # (2, B, T/2, ...) by source rank, then chunk
+        return received[[incoming.index(c) for c in wanted]].movedim(0, 1).flatten(1, 2)  # (B, T, ...)
 
     def start_state(self, final: torch.Tensor, transition: torch.Tensor) -> torch.Tensor:
         V = final.shape[-1]

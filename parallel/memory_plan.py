@@ -32,9 +32,10 @@ flash attention.
 
 Context parallelism (parallel/context.py): every rank holds T / (tp * cp) tokens of each sequence, so every
 token-local activation and the AttnRes block storage shrink by cp as they do by tp. The token mixers add:
-- MLA: rank r gathers the normalised latent + shared rope slice of slices 0..r and recomputes K and V from
-  them; the last rank, planned here, holds them for all T tokens and scores its T/cp queries against T keys
-  (`mla_elements` with queries T/cp, keys T);
+- MLA: every rank gathers the normalised latent + shared rope slice and recomputes K and V from them; rank 0
+  holds them for all T tokens (its long zigzag piece ends the sequence), and every rank scores T/cp queries
+  against (2cp + 1)/(4cp) T keys on average. Planned as an upper bound: T/cp queries against T keys
+  (`mla_elements` with queries T/cp, keys T), which overstates the scores about twofold on CPU's math path;
 - KDA: one chunk run over the values augmented to V + K columns from an augmented start state, and the
   all-gathered (cp, B, H, K, V+K) fp32 (final state, transition) pairs (`kda_context_elements`).
 """
@@ -203,7 +204,7 @@ def kda_context_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int, seq_l
 
 def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, queries: int, keys: int | None = None) -> Elements:
     """MLA, H heads, rank r, nope n, rope p, v, per query token of `queries` attending over `keys` (default:
-    as many; under cp the last rank's T/cp queries over all T keys). Per query: input d, kv_a r+p, the
+    as many; under cp a bound: T/cp queries over all T keys). Per query: input d, kv_a r+p, the
     normalised latent 2r + 1, q H(n+p), the output copy Hv; per key: k H(n+p), and v Hv on CPU, the kv_b
     output H(n+v) on CUDA; CPU math SDPA keeps its causal probabilities H*keys per query, CUDA flash the
     log-sum-exp H. Keys beyond the queries' own slice came through cp's all-gather: per key its latent
@@ -276,7 +277,7 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
 def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float,
                    cp: int = 1) -> Elements:
     """Saved inside one transformer block (norms and reads excluded) under none/selective, per token of the
-    last cp rank (its T/cp queries see all T keys)."""
+    busiest cp rank, bounded by T/cp queries seeing all T keys."""
     if cfg.is_mla(block):
         attn = mla_elements(cfg, mode, cuda, seq_len // cp, seq_len)
     else:
@@ -288,7 +289,7 @@ def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len:
 
 def activation_elements(cfg: ModelConfig, blocks: list[int], mode: str, *, last: bool, cuda: bool,
                         seq_len: int, capacity: float = 1.0, cp: int = 1) -> dict[str, Elements]:
-    """Per token of one microbatch (of the last cp rank under cp), for the transformer blocks a rank runs:
+    """Per token of one microbatch (of the busiest cp rank under cp), for the transformer blocks a rank runs:
     {'blocks', 'depth_state', 'head'}. 'blocks': inside the blocks (nothing under full); 'depth_state': the
     AttnRes block storage and what crosses block boundaries, kept in every mode (b_0, the embedding, is one of
     the blocks);
@@ -417,14 +418,14 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[Degrees]:
     """Every (dp, fsdp, cp, pp, vp, tp, ep) with dp*fsdp*cp*pp*tp = gpus that the model's shape and the
     trainer allow: tp divides heads and dense width (at most `max_tp`: one node); cp*tp divides seq_len and a
-    cp slice holds the conv_kernel - 1 tokens KDA's convolution reads before it (trainer/config.py's
-    _validate_context_parallel, which refuses no other cp layout); pp*vp <= blocks; ep divides dp and the
+    cp slice is even (MLA's balanced halves) and holds the conv_kernel - 1 tokens KDA's convolution reads
+    before it (trainer/config.py's _validate_context_parallel, which refuses no other cp layout); pp*vp <= blocks; ep divides dp and the
     experts; vp in {1, 2}."""
     out = []
     for tp, cp, pp in itertools.product(_divisors(gpus), repeat=3):
         if tp > max_tp or gpus % (tp * cp * pp) or any(v % tp for v in (cfg.n_heads, cfg.dense_inter)):
             continue
-        if seq_len % (cp * tp) or seq_len // cp < cfg.kda.conv_kernel - 1:
+        if seq_len % (cp * tp) or (seq_len // cp) % 2 or seq_len // cp < cfg.kda.conv_kernel - 1:
             continue
         rest = gpus // (tp * cp * pp)
         for fsdp in _divisors(rest):
@@ -443,8 +444,8 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
            precision: str = "auto") -> list[Plan]:
     """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
     stages (bubble and message traffic), then least recomputation (none < selective < full), then least
-    tensor parallelism, then least context parallelism (its gathers, and the uneven attention of a contiguous
-    split: the last rank scores all T keys), then the most memory left."""
+    tensor parallelism, then least context parallelism (its gathers and all-to-alls), then the most memory
+    left."""
     budget = gpu_bytes * (1 - headroom)
     fitting = []
     cache: dict[tuple, list[ParamCount]] = {}

@@ -323,6 +323,9 @@ def _validate_context_parallel(cfg: Config) -> None:
     if t.seq_len % pieces:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.cp * parallel.tp = {p.cp} * "
                           f"{p.tp} (every rank holds an equal slice of each sequence)")
+    if (t.seq_len // p.cp) % 2:
+        raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice must be even: MLA "
+                          "balances its causal work over 2 * cp half-slices")
     history = cfg.model.kda.conv_kernel - 1
     if t.seq_len // p.cp < history:
         raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice is fewer than the "

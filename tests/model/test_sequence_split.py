@@ -15,9 +15,10 @@ T, D = 48, 32
 
 class InOrderSplit:
     """A SequenceSplit for slices run in order in one process, with autograd across them: the n-th exchange of
-    a slice (previous_rows or through_mine) sees the n-th of the slices before. `next_slice` starts the next
-    slice. pass_state=False starts every slice's recurrence from zero and pass_past=False shows MLA only its
-    own slice: the negative controls."""
+    a slice (previous_rows or through) sees the n-th of the slices before. `next_slice` starts the next slice.
+    Each slice scores its own queries (no balancing: later slices do not exist yet). pass_state=False starts
+    every slice's recurrence from zero and pass_past=False gives MLA zeros for the earlier slices' latents:
+    the negative controls."""
 
     def __init__(self, pass_state: bool = True, pass_past: bool = True):
         self.pass_state, self.pass_past = pass_state, pass_past
@@ -36,9 +37,18 @@ class InOrderSplit:
         earlier = self._exchange(x)
         return x.new_zeros(x.shape[0], n, x.shape[2]) if not earlier else earlier[-1][:, -n:]
 
-    def through_mine(self, x):
-        earlier = self._exchange(x)
-        return torch.cat([*earlier, x] if self.pass_past else [x], dim=1)
+    def through(self, x, end):
+        earlier = [e if self.pass_past else torch.zeros_like(e) for e in self._exchange(x)]
+        return torch.cat([*earlier, x], dim=1)[:, :end]
+
+    def scored_pieces(self, length):
+        return [((len(self.slices) - 1) * length, length)]
+
+    def balance(self, x):
+        return x
+
+    def unbalance(self, x):
+        return x
 
     def start_state(self, final, transition):
         start = torch.zeros_like(final) if self.carried is None or not self.pass_state else self.carried

@@ -102,10 +102,21 @@ LONG = ["model=kimi_linear_48b", "train.seq_len=131072", "train.micro_batch=1", 
 
 class LastRankOfLocalSplit(ContextSplit):
     """ContextSplit as the last of `size` ranks sees it, in one process: every gather returns `size` copies
-    of this rank's tensor, in a fresh storage as the collective's output is."""
+    of this rank's tensor, in a fresh storage as the collective's output is. MLA scores this slice's own
+    queries (no balancing): the last rank of a contiguous split, the bound the planner uses (T/cp queries
+    over all T keys; the balanced pieces see fewer keys on average)."""
 
     def _gather(self, x):
         return x.unsqueeze(0).expand(self.size, *x.shape).contiguous()  # (size, ...)
+
+    def scored_pieces(self, length):
+        return [(self.rank * length, length)]
+
+    def balance(self, x):
+        return x
+
+    def unbalance(self, x):
+        return x
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
