@@ -232,11 +232,13 @@ COMPOSED = {  # 4-rank layouts and the settings each needs
     "fsdp2_tp2": {},
     "cp2_pp2": {"train.global_batch": 4},  # context parallelism through pipeline stages
 }
-COMPOSED_8 = {  # fsdp with two of pp, tp and ep (ep is carved out of dp, so it needs 2 replicas)
+COMPOSED_8 = {  # fsdp with two of the others (ep is carved out of dp, so fsdp x ep needs 2 replicas)
     "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
-    "dp2_fsdp2_tp2_ep2": {"train.micro_batch": 1},
-    "fsdp2_pp2_tp2": {"train.micro_batch": 1},
     "fsdp2_cp2_tp2": {"train.micro_batch": 1},  # tp slices sharded over fsdp x cp
+}
+COMPOSED_16 = {  # fsdp with all three of pp, tp and ep, as the planner recommends dp4_fsdp2_pp4_tp2_ep4 on 64 GPUs;
+    # it contains fsdp x tp x ep and fsdp x pp x tp, so those need no 8-rank runs of their own
+    "dp2_fsdp2_pp2_tp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
 }
 
 
@@ -298,14 +300,24 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
 
 
 def test_eight_rank_fsdp_compositions_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
-    """fsdp with two of pp, tp and ep, in one 8-rank torchrun launch, as the planner recommends them for
-    kimi_linear_48b (dpN_fsdp2_pp2_epN, dpN_fsdp2_tp2_epN): dp2_fsdp2_pp2_ep2 (HSDP pipeline chunks with
-    ep slices of the experts left out of fully_shard, cross-stage cache on), dp2_fsdp2_tp2_ep2 (HSDP over
-    each rank's tp slices, experts split over the replicas), fsdp2_pp2_tp2 (each stage's tp slices
-    FSDP2-sharded), fsdp2_cp2_tp2 (tp slices sharded over fsdp x cp, checkpointed over the (fsdp_cp, tp)
-    mesh). Each trains 3 steps and resumes both ways from one process with one process's
-    losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
+    """fsdp with two of the others, in one 8-rank torchrun launch: dp2_fsdp2_pp2_ep2 (HSDP pipeline chunks
+    with ep slices of the experts left out of fully_shard, cross-stage cache on; the planner recommends
+    dpN_fsdp2_pp2_epN for kimi_linear_48b) and fsdp2_cp2_tp2 (tp slices sharded over fsdp x cp, checkpointed
+    over the (fsdp_cp, tp) mesh). Each trains 3 steps and resumes both ways from one process with one
+    process's losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
     settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_8.items()}
     result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
+
+
+def test_sixteen_rank_fsdp_pp_tp_ep_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
+    """fsdp with three of pp, tp and ep in one 16-rank launch: dp2_fsdp2_pp2_tp2_ep2 (2 pipeline stages of
+    tp=2 neighbours, each rank's tp slices of its chunks HSDP-sharded over 2 replicas x 2 fsdp shards, the
+    experts' ep slices left out of fully_shard, cross-stage cache on). It trains 3 steps and resumes both
+    ways from one process with one process's losses, gradient norms (clipping active) and validation loss,
+    rel 1e-5."""
+    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_16.items()}
+    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=16)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
