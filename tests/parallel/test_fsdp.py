@@ -236,7 +236,7 @@ COMPOSED_8 = {  # fsdp with two of the others (ep is carved out of dp, so fsdp x
     "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
     "fsdp2_cp2_tp2": {"train.micro_batch": 1},  # tp slices sharded over fsdp x cp
 }
-COMPOSED_16 = {  # fsdp with all three of pp, tp and ep, as the planner recommends dp4_fsdp2_pp4_tp2_ep4 on 64 GPUs;
+COMPOSED_16 = {  # fsdp with all three of pp, tp and ep (the planner's dp4_fsdp2_pp4_tp2_ep4 on 64 GPUs);
     # it contains fsdp x tp x ep and fsdp x pp x tp, so those need no 8-rank runs of their own
     "dp2_fsdp2_pp2_tp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
 }
@@ -299,25 +299,18 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
 
 
-def test_eight_rank_fsdp_compositions_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
-    """fsdp with two of the others, in one 8-rank torchrun launch: dp2_fsdp2_pp2_ep2 (HSDP pipeline chunks
-    with ep slices of the experts left out of fully_shard, cross-stage cache on; the planner recommends
-    dpN_fsdp2_pp2_epN for kimi_linear_48b) and fsdp2_cp2_tp2 (tp slices sharded over fsdp x cp, checkpointed
-    over the (fsdp_cp, tp) mesh). Each trains 3 steps and resumes both ways from one process with one
-    process's losses, gradient norms (clipping active) and validation loss, rel 1e-5."""
-    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_8.items()}
-    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=8)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
-
-
-def test_sixteen_rank_fsdp_pp_tp_ep_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
-    """fsdp with three of pp, tp and ep in one 16-rank launch: dp2_fsdp2_pp2_tp2_ep2 (2 pipeline stages of
-    tp=2 neighbours, each rank's tp slices of its chunks HSDP-sharded over 2 replicas x 2 fsdp shards, the
-    experts' ep slices left out of fully_shard, cross-stage cache on). It trains 3 steps and resumes both
-    ways from one process with one process's losses, gradient norms (clipping active) and validation loss,
-    rel 1e-5."""
-    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED_16.items()}
-    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=16)
+@pytest.mark.parametrize("nproc, layouts", [(8, COMPOSED_8), (16, COMPOSED_16)], ids=["8_ranks", "16_ranks"])
+def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(nproc, layouts, tmp_path,
+                                                                                    tiny_dataset):
+    """fsdp with two or three of the others, one torchrun launch per world size. 8 ranks: dp2_fsdp2_pp2_ep2
+    (HSDP pipeline chunks with ep slices of the experts left out of fully_shard, cross-stage cache on; the
+    planner recommends dpN_fsdp2_pp2_epN for kimi_linear_48b) and fsdp2_cp2_tp2 (tp slices sharded over
+    fsdp x cp, checkpointed over the (fsdp_cp, tp) mesh). 16 ranks: dp2_fsdp2_pp2_tp2_ep2 (2 pipeline
+    stages of tp=2 neighbours, each rank's tp slices of its chunks HSDP-sharded over 2 replicas x 2 fsdp
+    shards, the experts' ep slices left out of fully_shard, cross-stage cache on). Each trains 3 steps and
+    resumes both ways from one process with one process's losses, gradient norms (clipping active) and
+    validation loss, rel 1e-5."""
+    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in layouts.items()}
+    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
