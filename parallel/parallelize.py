@@ -122,6 +122,16 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
             _all_reduce(p.grad, layout.dp_cp_group).div_(layout.dp_cp)
 
 
+def cp_document_starts(inputs: torch.Tensor, boundary: int | None, layout: Layout) -> torch.Tensor | None:
+    """(B, T/cp) document starts of this rank's cp slice, found on the whole sequence (a slice's first token
+    may start a document): the token mixers see the cp slice, whole under tp, not this rank's tp slice.
+    None without document masking (`boundary` None)."""
+    if boundary is None:
+        return None
+    starts = document_starts(inputs, boundary)  # (B, T)
+    return starts.chunk(layout.cp, dim=1)[layout.cp_rank]  # (B, T/cp)
+
+
 class DataParallelEngine:
     """pp == 1. fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. fsdp > 1: the
     fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
@@ -133,14 +143,6 @@ class DataParallelEngine:
     None without."""
 
     document_boundary: int | None = None
-
-    def _document_starts(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """(B, T/cp) starts of this rank's cp slice, found on the whole sequence (a slice's first token may
-        start a document): the token mixers see the cp slice, whole under tp, not this rank's tp slice."""
-        if self.document_boundary is None:
-            return None
-        starts = document_starts(inputs, self.document_boundary)  # (B, T)
-        return starts.chunk(self.layout.cp, dim=1)[self.layout.cp_rank]  # (B, T/cp)
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
         self.info, self.layout = info, layout
@@ -165,7 +167,7 @@ class DataParallelEngine:
         total = torch.zeros((), device=self.info.device)
         tp = self.layout.tp
         for index, (inputs, targets) in enumerate(micro_batches):
-            starts = self._document_starts(inputs)
+            starts = cp_document_starts(inputs, self.document_boundary, self.layout)
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             last = index == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
@@ -186,7 +188,7 @@ class DataParallelEngine:
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         for (inputs, targets), counted in rank_share(batches, self.layout, lockstep=self.lockstep):
-            starts = self._document_starts(inputs)
+            starts = cp_document_starts(inputs, self.document_boundary, self.layout)
             inputs, targets = local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
             with autocast():
                 logits = self.model(inputs, document_starts=starts)
@@ -206,6 +208,12 @@ class DataParallelEngine:
 
 
 class PipelineEngine:
+    """pp > 1: this rank's chunks run by the schedule (parallel/pipeline/runner.py). `document_boundary`: as
+    DataParallelEngine's; every stage gets its microbatch's starts from the schedule, which hands the whole
+    batch's keyword arguments to every rank."""
+
+    document_boundary: int | None = None
+
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int,
                  seq_len: int, microbatches: int, seed: int, precision: torch.dtype):
         from parallel.pipeline.plan import PipelinePlan
@@ -238,10 +246,12 @@ class PipelineEngine:
         # evaluate in lockstep.
         self.lockstep = layout.fsdp > 1 or layout.ep > 1
 
-    def _local(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = torch.cat([i for i, _ in batches])
+    def _local(self, batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's inputs and targets of the whole batch, and its document starts (None without masking)."""
+        inputs = torch.cat([i for i, _ in batches])  # (microbatches * B, T)
         targets = torch.cat([t for _, t in batches])
-        return local_sequence(inputs, self.layout), local_sequence(targets, self.layout)
+        starts = cp_document_starts(inputs, self.document_boundary, self.layout)
+        return local_sequence(inputs, self.layout), local_sequence(targets, self.layout), starts
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         loss = self.runner.step(*self._local(micro_batches), autocast)
@@ -289,12 +299,11 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
     parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's.
     `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
-    if document_boundary is not None and layout.pp > 1:
-        raise ValueError("document masking is not carried across pipeline stages yet; use parallel.pp=1")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
-        return PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
-    engine = DataParallelEngine(model, info, layout, seed, precision)
+        engine = PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
+    else:
+        engine = DataParallelEngine(model, info, layout, seed, precision)
     engine.document_boundary = document_boundary
     return engine
 

@@ -303,9 +303,6 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
     if p.pp > 1:
-        if cfg.data.document_masking:
-            raise ConfigError("data.document_masking=true is not supported under pipeline parallelism (parallel.pp > "
-                              "1) yet: the document starts are not sent between stages; use pp=1 layouts")
         if p.pp * p.vp > m.n_blocks:
             raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
                               f"{m.n_blocks} transformer blocks")

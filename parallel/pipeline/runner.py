@@ -83,27 +83,33 @@ class PipelineRunner:
         return tuple(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
                      for _ in range(self._message_count(chunk, False)))
 
-    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None,
+             autocast) -> torch.Tensor:
         """Mean loss over the microbatches, known on every rank of the pipeline group; every stage's
-        forwards run under `autocast()`."""
+        forwards run under `autocast()`. `starts` (B, T) bool document starts or None: the schedule splits
+        keyword arguments into microbatches as it does the inputs and hands them to every stage."""
         losses: list[torch.Tensor] = []
         for stage in self.stages:
             stage.autocast = autocast
         self.cache.clear()
         try:
-            run(inputs if self.has_first else None, target=targets if self.has_last else None, losses=losses)
+            masking = {} if starts is None else {"document_starts": starts}
+            run(inputs if self.has_first else None, target=targets if self.has_last else None, losses=losses,
+                **masking)
         finally:
             self.cache.clear()  # memory must not grow across steps
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=inputs.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds the losses
         return loss
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext) -> torch.Tensor:
-        return self._run(self.schedule.step, inputs, targets, autocast)
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None = None,
+             autocast=contextlib.nullcontext) -> torch.Tensor:
+        return self._run(self.schedule.step, inputs, targets, starts, autocast)
 
     @torch.no_grad()
-    def eval(self, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext) -> torch.Tensor:
-        return self._run(self.schedule.eval, inputs, targets, autocast)
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None = None,
+             autocast=contextlib.nullcontext) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets, starts, autocast)
 
     def measured_bytes_per_token(self) -> dict[int, float]:
         """Bytes per token this rank's chunks actually sent in the last step, by sender chunk."""

@@ -88,9 +88,12 @@ class PipelineChunk(nn.Module):
         if self.is_last:
             self.final_res, self.norm, self.lm_head = rank_model.final_res, rank_model.norm, rank_model.lm_head
 
-    def forward(self, *message: torch.Tensor, microbatch: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """`microbatch` keys the rank's block cache between its virtual stages (CachingPipelineStage passes it)."""
-        state = self.decoder.forward_layers(self._unpack(message, microbatch), blocks=self.layers.values())
+    def forward(self, *message: torch.Tensor, microbatch: int,
+                document_starts: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`microbatch` keys the rank's block cache between its virtual stages (CachingPipelineStage passes it);
+        `document_starts` (B, T) bool: the microbatch's document starts (the schedule hands them to every stage)."""
+        state = self.decoder.forward_layers(self._unpack(message, microbatch), blocks=self.layers.values(),
+                                            document_starts=document_starts)
         output = self.decoder.read_out(state) if self.is_last else self._pack(state, microbatch)
         return self._with_aux_loss(output)
 

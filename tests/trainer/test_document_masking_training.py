@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import WORDS, fast_train_overrides, torchrun_runs
 from model.documents import document_starts
 from parallel.dims import init_distributed
-from trainer.config import ConfigError, load_config
+from trainer.config import load_config
 from trainer.data import prepare_text_corpus
 from trainer.trainer import Trainer
 
@@ -78,10 +78,11 @@ def test_activation_checkpointing_keeps_the_masked_losses(tmp_path, short_docume
     assert losses(tmp_path / "selective") == losses(tmp_path / "none")
 
 
-def test_masked_training_under_dp_tp_fsdp_and_cp_is_one_process(tmp_path, short_documents):
-    """dp2, tp2 (sequence-sharded: the starts come from the whole sequence), fsdp2 and cp2 (each slice's
-    documents continue from the earlier slice's: convolution windows, KDA's state, MLA's keys), in one launch."""
-    layouts = ("dp2", "tp2", "fsdp2", "cp2")
+def test_masked_training_under_dp_tp_fsdp_cp_and_pp_is_one_process(tmp_path, short_documents):
+    """dp2, tp2 (sequence-sharded: the starts come from the whole sequence), fsdp2, cp2 (each slice's
+    documents continue from the earlier slice's: convolution windows, KDA's state, MLA's keys), pp2 and
+    pp2_vp2 (every stage gets its microbatch's starts from the schedule), in one launch."""
+    layouts = ("dp2", "tp2", "fsdp2", "cp2", "pp2", "pp2_vp2")
     result = torchrun_runs([fast_train_overrides(tmp_path / layout, short_documents, steps=3, parallel=layout,
                                                  **{"data.document_masking": "true"}) for layout in layouts], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,11 +95,3 @@ def test_masked_training_under_dp_tp_fsdp_and_cp_is_one_process(tmp_path, short_
         assert sorted(found) == [1, 2, 3], layout
         for step, value in found.items():
             assert value == pytest.approx(reference[step], rel=1e-5), (layout, step)
-
-
-def test_document_masking_under_pipeline_parallelism_is_refused_in_one_line():
-    with pytest.raises(ConfigError) as refused:
-        load_config(["parallel=pp2", "data.document_masking=true"])
-    assert str(refused.value) == ("data.document_masking=true is not supported under pipeline parallelism "
-                                  "(parallel.pp > 1) yet: the document starts are not sent between stages; use "
-                                  "pp=1 layouts")
