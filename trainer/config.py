@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kernels.select import IMPLS, triton_refusal
-from model.config import VARIANTS, ModelConfig
+from model.config import VARIANTS, ModelConfig, ResidualConfig
 from model.init import INIT_SCHEMES
 from parallel.dims import PRECISIONS, Degrees
 
@@ -128,6 +128,24 @@ class Config:
     seed: int = 1234
     resume: str = "auto"
     init_from: str | None = None      # a run or checkpoint whose weights start a fresh run (trainer/retrofit.py)
+
+
+# The config groups whose presets set part of a schema. Each gets its schema as the first entry of
+# configs/config.yaml's defaults, so every key of the schema exists whichever preset was picked:
+# `parallel=single parallel.cp=2` overrides a key that single.yaml does not list.
+GROUP_SCHEMAS = {"model": ModelConfig, "variant": ResidualConfig, "optim": OptimConfig, "parallel": ParallelConfig}
+
+
+def register_schemas() -> None:
+    """Store each group's schema in Hydra's ConfigStore as `schema/<group>: <group>`."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, schema in GROUP_SCHEMAS.items():
+        store.store(group=f"schema/{group}", name=group, node=schema, package=group)
+
+
+register_schemas()
 
 
 CHOICES = {

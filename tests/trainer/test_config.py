@@ -1,6 +1,7 @@
 """Every model x variant composes; bad values fail with one line naming key, value and what is allowed."""
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from kernels.select import triton_refusal
 
@@ -29,6 +30,29 @@ def test_every_model_and_variant_composes(model, variant):
     if variant == "block":  # the default block size gives about 8 depth blocks
         n_depth_blocks = DepthGeometry.of(cfg.model).max_sources - 1
         assert 6 <= n_depth_blocks <= 10
+
+
+PARALLEL_PRESETS = sorted(p.stem for p in (CONFIG_DIR / "parallel").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PARALLEL_PRESETS)
+def test_every_parallel_key_overrides_from_any_preset(preset):
+    """Each preset is reachable from `single` by plain key overrides: every schema key exists on every preset."""
+    target = load_config([f"parallel={preset}"]).parallel
+    overrides = [f"parallel.{key}={'null' if value is None else value}" for key, value in vars(target).items()]
+    assert load_config(["parallel=single", *overrides]).parallel == target
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel=single", "parallel.cp=2"], {"parallel.cp": 2, "parallel.fsdp": 1, "parallel.tp": 1}),
+    (["parallel=pp2_vp2", "parallel.fsdp=2", "parallel.tp=2"],
+     {"parallel.fsdp": 2, "parallel.pp": 2, "parallel.vp": 2, "parallel.tp": 2}),
+    (["variant=full", "variant.heads=2", "variant.window=3"], {"model.residual.heads": 2, "model.residual.window": 3}),
+    (["optim=adamw", "optim.muon_momentum=0.9"], {"optim.muon_momentum": 0.9}),
+])
+def test_keys_missing_from_a_preset_file_still_override(overrides, expected):
+    cfg = load_config(overrides)
+    assert {key: OmegaConf.select(OmegaConf.structured(cfg), key) for key in expected} == expected
 
 
 @pytest.mark.parametrize("override, fragment", [
