@@ -3,7 +3,7 @@
 Each block is compiled on its own, not the whole model: the pipeline chunks call the same block
 modules, and what lies between blocks (embedding, final read, loss, the pipeline's sends and
 receives, DDP's hooks) stays eager. `apply_compile` replaces each block's `forward` (an instance
-attribute, as parallel/checkpointing.py does), so parameter names, checkpoints, DDP and the pipeline
+attribute, as parallel/activation_checkpoint.py does), so parameter names, checkpoints, DDP and the pipeline
 see the same modules. It runs after the engine has sharded the model: a block compiles the tp slices
 and ep dispatch it runs, their functional collectives included.
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from model.residual import DepthState
-from parallel.checkpointing import _CheckpointedBlock
+from parallel.activation_checkpoint import _CheckpointedBlock
 
 
 def apply_compile(model: nn.Module) -> None:

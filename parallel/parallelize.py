@@ -33,7 +33,7 @@ from model.decoder import Decoder
 from model.documents import document_starts
 from model.init import materialise
 from model.residual import DepthGeometry
-from parallel.checkpointing import apply_activation_checkpointing
+from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.context import apply_context_parallel
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from model import build_model
-from parallel.checkpointing import MODES, apply_activation_checkpointing
+from parallel.activation_checkpoint import MODES, apply_activation_checkpointing
 from trainer.config import load_config
 
 

@@ -51,7 +51,7 @@ class TrainConfig:
     decay_fraction: float = 0.2
     min_lr_ratio: float = 0.1
     allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
-    activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/checkpointing.py)
+    activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/activation_checkpoint.py)
     compile: bool = False             # torch.compile each transformer block (parallel/compile.py)
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp32; parallel/dims.py
     peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)

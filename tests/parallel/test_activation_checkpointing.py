@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import fast_train_overrides, torchrun_runs
 from model import build_model
-from parallel.checkpointing import apply_activation_checkpointing
+from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.dims import init_distributed
 from scripts.bench_memory import activation_bytes
 from trainer.config import ConfigError, load_config
