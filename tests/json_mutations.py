@@ -10,6 +10,9 @@ exception. These generators turn one valid document into many invalid ones, the 
   mutated_bytes(data, seed, count)          (what, bytes): one bit flipped, or the file truncated
   dumps(document)                           the bytes a mutated document is written as (NaN and inf as
                                             the NaN/Infinity literals Python's json reads back)
+  mutated_arrays(array, seed, count)        (what, array): an integer array (an index) with one entry set
+                                            out of range, negative or to a neighbour's value, entries
+                                            swapped, zeroed, cut short or extended, or another dtype or shape
 
 A test writes each case, resealing whatever checksum the file carries when it means to test the content
 rather than the damage, and calls the reader.
@@ -21,6 +24,8 @@ import json
 import math
 import random
 from typing import Any, Iterator
+
+import numpy as np
 
 # Values that are wrong for most fields: other types, empty containers, edge and out-of-range numbers.
 GARBAGE = ("abc", "", "1", "-1", "nan", 0, -1, -100, 1, 2 ** 31, 2 ** 45, 2 ** 63, 2 ** 64, -2 ** 63, 10 ** 30,
@@ -119,3 +124,41 @@ def mutated_bytes(data: bytes, seed: int, count: int) -> Iterator[tuple[str, byt
         position, bit = rng.randrange(len(data)), rng.randrange(8)
         damaged[position] ^= 1 << bit
         yield f"bit {bit} of byte {position} flipped", bytes(damaged)
+
+
+def _mutate_array(array: np.ndarray, rng: random.Random) -> tuple[str, np.ndarray]:
+    mutated = np.array(array)
+    flat = mutated.reshape(-1)
+    kind = rng.choice(["entry", "entry", "entry", "swap", "zeroed", "cut", "extended", "dtype", "shape"])
+    if kind == "entry" and flat.size:
+        position = rng.randrange(flat.size)
+        limit = int(np.iinfo(flat.dtype).max)
+        value = rng.choice([-1, int(flat.max()) + 1, limit, 0, int(flat[rng.randrange(flat.size)]), int(flat[position]) + 1])
+        flat[position] = np.array(value).astype(flat.dtype)  # wraps a negative into an unsigned dtype
+        return f"entry {position}: {int(array.reshape(-1)[position])} -> {int(flat[position])}", mutated
+    if kind == "swap" and flat.size > 1:
+        i, j = rng.sample(range(flat.size), 2)
+        flat[i], flat[j] = flat[j], flat[i]
+        return f"entries {i} and {j} swapped", mutated
+    if kind == "zeroed":
+        return "zeroed", np.zeros_like(array)
+    if kind == "cut" and len(array):
+        size = rng.randrange(len(array))
+        return f"cut to {size} of {len(array)} rows", mutated[:size]
+    if kind == "extended":
+        return "one row repeated at the end", np.concatenate([mutated, mutated[-1:]]) if len(mutated) else mutated[:0]
+    if kind == "dtype":
+        dtype = rng.choice([np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.float32, np.float64])
+        return f"as {np.dtype(dtype).name}", mutated.astype(dtype)
+    return "flattened" if mutated.ndim > 1 else "as a column", mutated.reshape(-1) if mutated.ndim > 1 else mutated[:, None]
+
+
+def mutated_arrays(array: np.ndarray, seed: int, count: int) -> Iterator[tuple[str, np.ndarray]]:
+    """`count` damaged copies of an integer `array`, each one change that alters its .npy bytes, described;
+    the same for a seed."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        what, mutated = _mutate_array(array, rng)
+        while mutated.dtype == array.dtype and mutated.shape == array.shape and np.array_equal(mutated, array):
+            what, mutated = _mutate_array(array, rng)
+        yield what, mutated

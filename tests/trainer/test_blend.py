@@ -22,6 +22,7 @@ from trainer.data import (
     parse_blend,
     resolve_blend,
 )
+from trainer.data.index_cache import IndexCacheError
 from trainer.data.mcore import megatron_datasets
 from trainer.data.samples import INDEX_DIR
 
@@ -142,15 +143,15 @@ def test_the_index_cache_is_built_once_and_read_after(tiny_dataset, tmp_path):
     assert torch.equal(first.train_batch([0, 5, 9])[0], again.train_batch([0, 5, 9])[0])
 
 
-def test_a_pickle_in_the_index_cache_is_never_loaded(tiny_dataset, tmp_path):
-    """megatron-core reads its cache with numpy.load(allow_pickle=True, mmap_mode="r"): an array of Python
-    objects cannot be memory-mapped, so a planted one is an error, never an unpickling."""
+def test_an_object_array_in_the_index_cache_is_never_loaded(tiny_dataset, tmp_path):
+    """An .npy array of Python objects is refused naming its file, never unpickled (tests/trainer/
+    test_index_cache.py plants bare pickles)."""
     blend = resolve_blend(None, str(tiny_dataset), tmp_path, 512, None)
     BlendSamples(blend, "98,2,0", SEQ_LEN, 0, tmp_path).build_for_run(steps=1, global_batch=4)
     marker = tmp_path / "unpickled"
     for index in (tmp_path / INDEX_DIR).glob("*shuffle_index.npy"):
         np.save(index, np.array([Planted(str(marker))], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError, match="memory-mapped"):
+    with pytest.raises(IndexCacheError, match=f"^{tmp_path / INDEX_DIR}/.*shuffle_index.npy: not a readable .npy"):
         BlendSamples(blend, "98,2,0", SEQ_LEN, 0, tmp_path).build_for_run(steps=1, global_batch=4)
     assert not marker.exists()
 

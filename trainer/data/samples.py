@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data.format import DataError, default_cache_dir
+from trainer.data.index_cache import refuse_index_links
 from trainer.data.mcore import megatron_datasets
 from trainer.data.prepare import PrepareOptions
 from trainer.data.resolve import Blend, resolve_blend
@@ -110,6 +111,7 @@ class BlendSamples:
             # Masks come from the model (document_starts), positions are not an input, every label is scored.
             reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         )
+        refuse_index_links(self.cache_dir)
         with process_group():
             return mcore.BlendedMegatronDatasetBuilder(mcore.GPTDataset, sizes, lambda: True, config).build()
 
