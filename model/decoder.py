@@ -21,6 +21,7 @@ from model.layer import TransformerBlock
 from model.moe import MoE
 from model.norms import RMSNorm
 from model.residual import DepthState, DepthTrace, build_mixer
+from model.residual.geometry import channel_mixer_sublayer
 
 
 class TokenEmbedding(nn.Embedding):
@@ -96,7 +97,7 @@ class Decoder(nn.Module):
         reads = {}
         for block in blocks:
             reads[block.attn_sublayer] = block.attn_res
-            reads[block.attn_sublayer + 1] = block.mlp_res
+            reads[channel_mixer_sublayer(block.index)] = block.mlp_res
         return reads
 
     def moe_layers(self) -> list[MoE]:

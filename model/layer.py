@@ -11,6 +11,7 @@ from model.mlp import SwiGLU
 from model.moe import MoE
 from model.norms import RMSNorm
 from model.residual import DepthState, ResidualMixer
+from model.residual.geometry import channel_mixer_sublayer, token_mixer_sublayer
 
 
 class TransformerBlock(nn.Module):
@@ -21,13 +22,12 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadLatentAttention(cfg) if cfg.is_mla(index) else KimiDeltaAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter)
-        # Sublayers in paper units: attention is 2*index+1, MLP 2*index+2.
         self.attn_res = mixer.make_read(self.attn_sublayer)
-        self.mlp_res = mixer.make_read(self.attn_sublayer + 1)
+        self.mlp_res = mixer.make_read(channel_mixer_sublayer(index))
 
     @property
     def attn_sublayer(self) -> int:
-        return 2 * self.index + 1
+        return token_mixer_sublayer(self.index)
 
     def new_cache(self, batch: int, device, dtype):
         """This block's decoding cache: the KDA recurrent state or the MLA compressed KV."""

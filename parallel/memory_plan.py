@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from model.config import ModelConfig
-from model.residual.geometry import DepthGeometry
+from model.residual.geometry import DepthGeometry, channel_mixer_sublayer, token_mixer_sublayer, transformer_block_of
 from parallel.dims import Degrees, resolve_precision
 
 GIB = 2 ** 30
@@ -259,19 +259,19 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
     S = geometry.size
     inside = boundary = 0.0
     for block in blocks:
-        first, last = 2 * block + 1, 2 * block + 2
+        first, last = token_mixer_sublayer(block), channel_mixer_sublayer(block)
         for sublayer in (first, last):
             position = geometry.position(sublayer)
             inside += 1
             if position > 0:
                 inside += 3 + int(position < S - 1 and sublayer != last)
             if position == 0 and S > 1:  # this sublayer runs the depth block's phase 1
-                if (geometry.depth_block_end(sublayer) - 1) // 2 == block:
+                if transformer_block_of(geometry.depth_block_end(sublayer)) == block:
                     inside += S
                 else:
                     boundary += S
         boundary += int(geometry.partial_open(last))
-    return inside, boundary + geometry.blocks_done(2 * (max(blocks) + 1) if blocks else 0)
+    return inside, boundary + geometry.blocks_done(channel_mixer_sublayer(max(blocks)) if blocks else 0)
 
 
 def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len: int, capacity: float,

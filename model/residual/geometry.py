@@ -17,6 +17,19 @@ from dataclasses import dataclass
 from model.config import ModelConfig
 
 
+def token_mixer_sublayer(transformer_block: int) -> int:
+    """The sublayer (paper units) of transformer block b's token mixer: 2b+1; its channel mixer is the next."""
+    return 2 * transformer_block + 1
+
+
+def channel_mixer_sublayer(transformer_block: int) -> int:
+    return 2 * transformer_block + 2
+
+
+def transformer_block_of(sublayer: int) -> int:
+    return (sublayer - 1) // 2
+
+
 @dataclass(frozen=True)
 class DepthGeometry:
     n_sublayers: int          # L
@@ -88,7 +101,7 @@ class DepthGeometry:
     def unit_may_end_after(self, transformer_block: int) -> bool:
         """Whether a unit that is gathered (FSDP) as a whole may end after this transformer block: the two-phase
         read's first sublayer batches the queries of its whole depth block, so no unit may cut one."""
-        return not self.two_phase or (2 * transformer_block + 2) % self._size() == 0
+        return not self.two_phase or channel_mixer_sublayer(transformer_block) % self._size() == 0
 
     def units(self, transformer_blocks: list[int]) -> list[list[int]]:
         """Consecutive `transformer_blocks` cut wherever `unit_may_end_after` allows, and at the end."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from model.config import STREAM_VARIANTS, ModelConfig
 from model.residual.base import CarryLayout
-from model.residual.geometry import DepthGeometry
+from model.residual.geometry import DepthGeometry, channel_mixer_sublayer, token_mixer_sublayer
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ class PipelinePlan:
         return [rank + v * self.pp for v in range(self.vp)]
 
     def first_sublayer(self, chunk: int) -> int:
-        return 2 * self.chunk_blocks[chunk][0] + 1
+        return token_mixer_sublayer(self.chunk_blocks[chunk][0])
 
     def sublayers_done(self, chunk: int) -> int:
         """Sublayers that have written at the end of `chunk`."""
-        return 2 * (self.chunk_blocks[chunk][-1] + 1)
+        return channel_mixer_sublayer(self.chunk_blocks[chunk][-1])
 
     def blocks_done(self, chunk: int) -> int:
         """Completed depth blocks (b_0 included) at the end of `chunk`."""
