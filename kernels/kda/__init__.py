@@ -1,6 +1,8 @@
 """Kimi Delta Attention kernels: chunkwise for training and prefill, recurrent for decode.
 
-Our chunkwise torch code is the reference and the CPU path. On CUDA tensors, `impl` auto or triton
+The oracle is `reference.py`'s token-by-token recurrence (also the one-token decode step); every other
+form is tested against it. `chunk.py` is the chunkwise-parallel form in plain torch: the CPU path, and
+what `impl="reference"` runs (plain torch, no fused kernel). On CUDA tensors, `impl` auto or triton
 uses fla-core's fused `chunk_kda` when that optional package imports (it has no CPU path, not even
 under the Triton interpreter); `reference` always runs ours. With resets (document masking) fla runs
 its varlen form: the batch flattened to one row cut into documents at `varlen_offsets`. `kda_chunk_from_unknown_start`
@@ -15,7 +17,7 @@ from typing import Callable
 import torch
 
 from kernels.kda.chunk import kda_chunk as torch_kda_chunk
-from kernels.kda.recurrent import kda_recurrent
+from kernels.kda.reference import kda_recurrent
 
 
 @functools.cache
