@@ -14,7 +14,7 @@ import pyarrow.parquet
 import pytest
 import zstandard
 
-from trainer.data import documents
+from trainer.data import PrepareOptions, documents, prepare_text_corpus
 from trainer.data.documents import (
     TEXT_SUFFIXES,
     DataError,
@@ -197,7 +197,7 @@ def truncated_gz(path):
 
 def garbage_zst(path):
     path.write_bytes(b"\x00\x01not zstd at all" * 20)
-    return path, "not valid zstandard data (zstd decompress error: Unknown frame descriptor)"
+    return path, "not valid zstandard data (zstd decompressor error: Unknown frame descriptor)"
 
 
 def parquet_without_text(path):
@@ -281,6 +281,59 @@ def test_a_bad_line_names_its_number_and_skip_keeps_the_documents_before_it(tmp_
         f"[prepare_data] skipping the rest of {bad} after 2 documents: {reason}",
         f"[prepare_data] skipping the rest of {broken} after 1 document: {skipped[1][1]}",
     ]
+
+
+def many_documents(first: int, count: int) -> bytes:
+    return b"".join(json.dumps({"text": f"document {i} " * 4}).encode() + b"\n" for i in range(first, first + count))
+
+
+COMPRESSED_STREAMS = {  # two frames (members, row groups) of 150 documents each
+    ".jsonl.zst": lambda: b"".join(zstandard.ZstdCompressor(write_checksum=bool(i)).compress(many_documents(150 * i, 150))
+                                   for i in range(2)),
+    ".jsonl.gz": lambda: b"".join(gzip.compress(many_documents(150 * i, 150)) for i in range(2)),
+    ".parquet": lambda: parquet_bytes([f"document {i}" for i in range(300)], row_group_size=150),
+}
+
+
+def parquet_bytes(texts, row_group_size):
+    buffer = io.BytesIO()
+    pyarrow.parquet.write_table(pyarrow.table({"text": texts}), buffer, row_group_size=row_group_size)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("suffix", COMPRESSED_STREAMS)
+def test_a_compressed_file_cut_anywhere_inside_a_frame_is_unreadable_never_shorter(tmp_path, suffix):
+    """zstandard's reader ended quietly at a cut inside a later frame: 150 of 300 documents, no error."""
+    data = COMPRESSED_STREAMS[suffix]()
+    frame_end = len(zstandard.ZstdCompressor().compress(many_documents(0, 150))) if suffix == ".jsonl.zst" else None
+    frame_end = len(gzip.compress(many_documents(0, 150))) if suffix == ".jsonl.gz" else frame_end
+    cut = tmp_path / f"cut{suffix}"
+    for size in range(1, len(data), 3):
+        if size == frame_end:  # a file of the first frame alone is whole
+            continue
+        cut.write_bytes(data[:size])
+        with pytest.raises(DataError) as error:
+            list(iter_documents([cut]))
+        assert str(error.value).startswith(f"{cut}") and "\n" not in str(error.value), size
+
+
+def test_a_cut_zst_in_a_directory_stops_or_is_skipped_and_the_skip_is_in_the_manifest(tmp_path, capsys):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    whole = COMPRESSED_STREAMS[".jsonl.zst"]()
+    (inputs / "a_whole.jsonl.zst").write_bytes(whole)
+    cut = inputs / "b_cut.jsonl.zst"
+    cut.write_bytes(whole[: len(whole) - 40])  # inside frame 2
+    reason = ("not valid zstandard data (the file ends inside a zstandard frame: it was cut short); "
+              "expected a zstandard-compressed .jsonl file")
+    with pytest.raises(DataError) as error:
+        prepare_text_corpus([inputs], tmp_path / "stopped", 300)
+    assert str(error.value) == f"{cut}: {reason}"
+    manifest = json.loads((prepare_text_corpus([inputs], tmp_path / "skipped", 300, options=PrepareOptions(
+        on_error="skip")) / "manifest.json").read_text())
+    assert manifest["source"]["skipped"] == [[str(cut), reason]]
+    assert 300 < manifest["documents"] < 600  # the whole file, and the cut file's documents before its cut
+    assert f"skipping the rest of {cut} after " in capsys.readouterr().err
 
 
 class FailingAfter:

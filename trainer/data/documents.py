@@ -161,16 +161,50 @@ def gzip_stream(path: Path, raw: BinaryIO) -> Iterator[BinaryIO]:
                                "expected a gzip-compressed .jsonl file") from None
 
 
+# Compressed bytes handed to the zstandard decoder at a time: a block can expand about 32,000-fold, so this
+# bounds what one call holds decompressed to about 128 MB.
+ZSTD_FEED_BYTES = 4096
+
+
+class ZstdFrames(io.RawIOBase):
+    """A zstandard stream decompressed frame after frame that ends with an EOFError, not quietly, when the file
+    stops inside a frame (zstandard's stream_reader, reading across frames, just ends there)."""
+
+    def __init__(self, raw: BinaryIO):
+        import zstandard  # only .jsonl.zst inputs need it
+
+        self.raw, self.context = raw, zstandard.ZstdDecompressor()
+        self.frame, self.compressed, self.decompressed = None, b"", b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.decompressed:
+            self.compressed = self.compressed or self.raw.read(ZSTD_FEED_BYTES)
+            if not self.compressed:
+                if self.frame is not None and not self.frame.eof:
+                    raise EOFError("the file ends inside a zstandard frame: it was cut short")
+                return 0
+            if self.frame is None or self.frame.eof:
+                self.frame = self.context.decompressobj()
+            self.decompressed = self.frame.decompress(self.compressed)
+            self.compressed = self.frame.unused_data if self.frame.eof else b""
+        size = min(len(buffer), len(self.decompressed))
+        buffer[:size], self.decompressed = self.decompressed[:size], self.decompressed[size:]
+        return size
+
+
 @contextmanager
 def zstd_stream(path: Path, raw: BinaryIO) -> Iterator[BinaryIO]:
-    """raw decompressed, frame after frame, its decompression errors turned into one InputError. zstandard
-    ends a stream cut inside a frame quietly; the cut line is then the one refused as not valid JSON."""
-    import zstandard  # only .jsonl.zst inputs need it
+    """raw decompressed, frame after frame, its decompression errors and a cut inside a frame turned into one
+    InputError."""
+    import zstandard
 
     try:
-        with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)) as stream:
+        with io.BufferedReader(ZstdFrames(raw)) as stream:
             yield stream
-    except zstandard.ZstdError as error:
+    except (zstandard.ZstdError, EOFError) as error:
         raise InputError(path, f"not valid zstandard data ({one_line(error)}); "
                                "expected a zstandard-compressed .jsonl file") from None
 
