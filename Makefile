@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train compare bench corpus clean
+.PHONY: setup test train compare bench corpus clean compat
 
 setup: $(STAMP)
 
@@ -56,3 +56,33 @@ bench: setup
 # data.blend override that trains on it. make train keeps its Shakespeare default.
 corpus: setup
 	$(PY) -m scripts.corpus $(CORPUS_ARGS)
+
+# `make compat TORCH=2.11.0`: the named subset below on another torch release (setup.py allows 2.11 to
+# 2.15), in a side venv .compat/<release> on Python 3.12 as the lent GPU machines have it, torch and the
+# project's dependencies from the index. What differs between torch releases is in parallel/compat.py;
+# the triton internals the ahead-of-time compile uses (triton 3.6 to 3.9) are in kernels/aot.py.
+# PIP_CONFIG_FILE=/dev/null: this machine's pip config caps torch at 2.14.1.
+# The CUDA build of torch (the index's only one for some releases, about 4.6 GB) runs on the CPU.
+TORCH ?=
+COMPAT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3.12)
+COMPAT_VENV = .compat/$(TORCH)
+# Kernels under the interpreter (with the triton that torch release brings) and compiled ahead of time
+# for sm_90a; one-process training, bf16 and resume (DCP); MLA's causal_lower_right; pp2_vp2 with the
+# cross-stage block cache; fsdp2 from meta and tp/ep/cp (functional collectives), each both ways with one
+# process; compiled blocks; cached and compiled generation; the safetensors and Hugging Face exports.
+COMPAT_TESTS ?= tests/kernels/test_attnres_triton.py tests/kernels/test_rmsnorm_triton.py tests/kernels/test_kda.py \
+	"tests/kernels/test_aot.py::test_every_tile_configuration_compiles_without_spills[90]" \
+	tests/trainer/test_trainer.py::test_stop_and_resume_gives_the_uninterrupted_losses_bitwise \
+	tests/trainer/test_trainer.py::test_bf16_loss_falls_and_resumes_bitwise_and_its_checkpoint_continues_in_fp32 \
+	tests/model/test_mla.py tests/parallel/test_pipeline.py::test_checkpoints_move_between_pp_and_single_process \
+	tests/parallel/test_fsdp.py::test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways \
+	tests/parallel/test_tensor_parallel.py::test_checkpoints_move_between_tp_ep_or_cp_and_one_process \
+	tests/trainer/test_compile.py::test_compiled_blocks_train_with_the_eager_losses tests/model/test_generation.py \
+	tests/trainer/test_export.py tests/trainer/test_hf_export.py
+
+compat:
+	@test -n "$(TORCH)" || { echo "make compat: name a torch release, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
+	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip install -q "torch==$(TORCH)" -e '.[dev]'
+	$(COMPAT_VENV)/bin/python -c "import sys, torch, triton; print('compat: torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)

@@ -6,7 +6,8 @@ hints a launch on a GPU would specialise on (meta tensors have data_ptr 0, so ev
 the target; the log of the `ptxas -v` that Triton runs for it (the ptxas it picks for the architecture)
 reports registers and spills, which the interpreter never shows. Uses
 `triton.runtime.jit.create_function_from_signature`, `JITFunction._pack_args` and the knobs
-`always_compile` / `dump_ptxas_log`: not public, read from triton 3.9.
+`always_compile` / `dump_ptxas_log`: not public; the same in triton 3.6 (torch 2.11's CUDA build) and 3.9
+(checked by `make compat TORCH=2.11.0`, which compiles the table under 3.6).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model.layer import TransformerBlock
 from model.residual import DepthGeometry
+from parallel.compat import fsdp_hooks_reach_dataclass_outputs
 from parallel.dims import Layout
 
 
@@ -49,6 +50,7 @@ def apply_fsdp(roots: list[nn.Module], layout: Layout, precision: torch.dtype, i
     """Shard each root (a module with `layers`: the Decoder or a pipeline chunk) and its depth-block units
     over `layout.fsdp_mesh`, in place; a chunk starts a new unit, since the two-phase read only batches the
     queries of the chunk's own sublayers."""
+    fsdp_hooks_reach_dataclass_outputs()
     policy = mixed_precision(precision)
     shard = functools.partial(fully_shard, mesh=layout.fsdp_mesh, mp_policy=policy, ignored_params=ignored,
                               reshard_after_forward=reshard_after_forward)

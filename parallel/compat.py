@@ -1,0 +1,52 @@
+"""What differs across the torch releases setup.py allows (2.11 through 2.15), in one place.
+
+Each difference says which release changed it. `make compat TORCH=<release>` runs a subset of the suite
+on one release (docs/BENCHMARKS.md has the results).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch.distributed.fsdp import _common_utils as fsdp_common
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+
+def _grad_tensors(output, found: list[torch.Tensor]) -> None:
+    """The tensors needing gradients inside `output`: through dataclasses, lists, tuples and dicts."""
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            found.append(output)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            _grad_tensors(getattr(output, field.name), found)
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            _grad_tensors(item, found)
+    elif isinstance(output, dict):
+        for item in output.values():
+            _grad_tensors(item, found)
+
+
+@functools.cache
+def fsdp_hooks_reach_dataclass_outputs() -> None:
+    """FSDP2 unshards a unit's parameters for its backward from a hook on each of the unit's output tensors.
+    Our units return a DepthState (a dataclass). torch 2.12 finds tensors inside dataclasses
+    (fsdp._common_utils.collect_grad_tensors); 2.11 took them with tree_flatten, which treats a dataclass as
+    one leaf, so no hook ran and the backward read resharded parameters (`setStorage: ... storage of size
+    0`). On 2.11 the hooks are registered the way 2.12 does; on later releases nothing changes."""
+    if hasattr(fsdp_common, "collect_grad_tensors"):
+        return
+    flat_outputs_only = FSDPState._register_pre_backward_hook
+
+    def register_pre_backward_hook(self, output):
+        if not dataclasses.is_dataclass(output) or not torch.is_grad_enabled():
+            return flat_outputs_only(self, output)
+        found: list[torch.Tensor] = []
+        _grad_tensors(output, found)
+        for tensor in found:
+            tensor.register_hook(self._pre_backward)
+        return output
+
+    FSDPState._register_pre_backward_hook = register_pre_backward_hook
