@@ -126,7 +126,7 @@ def _refuse_non_finite(model: nn.Module, step: int) -> None:
                               "the previous checkpoints are kept")
 
 
-def _dcp_state(model: nn.Module, optimizers: list, scheduler, shards) -> dict:
+def dcp_state(model: nn.Module, optimizers: list, scheduler, shards) -> dict:
     """What DCP saves/loads. get_state_dict names everything by canonical parameter names (no DDP
     `module.` prefix), so a checkpoint loads with or without DDP and at another world size; `shards`
     (parallel.tensor.Shards, or None) turns tp/ep slices into whole tensors."""
@@ -149,13 +149,16 @@ def _file_record(file: Path) -> dict:
         return {"bytes": file.stat().st_size, "sha256": hashlib.file_digest(stream, "sha256").hexdigest()}
 
 
-def _hash_files(checkpoint: Path) -> dict[str, dict]:
-    """Size and sha256 of every file of a written checkpoint but meta.json; each rank hashes every
-    world_size-th file and all ranks get the whole table."""
-    rank, world = _rank_and_world()
+def hash_share(checkpoint: Path, rank: int, world: int) -> dict[str, dict]:
+    """Size and sha256 of this rank's share of a written checkpoint's files (every world-th of them, meta.json
+    left out); needs no process group, so an asynchronous save's background thread can run it."""
     names = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
     names = [name for name in names if name != META_FILE]
-    mine = {name: _file_record(checkpoint / name) for name in names[rank::world]}
+    return {name: _file_record(checkpoint / name) for name in names[rank::world]}
+
+
+def merge_shares(mine: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's hash_share as one table, on every rank (collective under torchrun)."""
     return {name: record for part in _gather(mine) for name, record in part.items()}
 
 
@@ -258,9 +261,21 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
                     extra: dict, meta: dict, keep_last: int, shards=None) -> Path:
     """Every rank calls this. `extra` is this rank's own state, made of JSON values (dict, list, str,
     int, float, bool, None; tuples come back as lists); `meta` (from rank 0) should carry
-    model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory."""
+    model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory.
+    trainer/async_checkpoint.py runs the same three parts with the write in the background."""
+    final, tmp = begin_save(run_dir, step, model, extra)
+    with _single_process_is_fine():
+        dcp.save(dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
+    _barrier()
+    publish(final, tmp, meta, keep_last, merge_shares(hash_share(tmp, *_rank_and_world())))
+    return final
+
+
+def begin_save(run_dir: str | Path, step: int, model: nn.Module, extra: dict) -> tuple[Path, Path]:
+    """The first part of every save (collective): refuse non-finite weights, make the empty
+    .tmp-step_N directory and write this rank's extra file into it. Returns (final, tmp)."""
     _refuse_non_finite(model, step)
-    rank, world = _rank_and_world()
+    rank, _ = _rank_and_world()
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if rank == 0:
@@ -269,12 +284,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save of this step killed mid-write
         (tmp / EXTRA_DIR).mkdir(parents=True)
     _barrier()
-    with _single_process_is_fine():
-        dcp.save(_dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
     write_file(tmp / _extra_file(rank), json.dumps(extra))
-    _barrier()
-    files = _hash_files(tmp)
+    return final, tmp
+
+
+def publish(final: Path, tmp: Path, meta: dict, keep_last: int, files: dict[str, dict]) -> None:
+    """The last part of every save, once every rank's DCP write has finished (collective): rank 0 writes
+    meta.json with the files' checksums, renames the checkpoint into place and prunes. Until then resume
+    never takes it: a step_* directory with a meta.json is complete."""
+    rank, world = _rank_and_world()
     if rank == 0:
+        step = int(STEP_DIR.fullmatch(final.name).group(1))
         meta = seal_meta({**meta, "step": step, "world_size": world, "format": FORMAT, "files": files,
                           "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         write_file(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
@@ -285,7 +305,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
         tmp.rename(final)
         _prune(final.parent, keep_last, final)
     _barrier()
-    return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -493,7 +512,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
         reader.read_metadata()  # refuse a bad .metadata here, in one line, before DCP's collectives
     except Exception as error:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
-    state = _dcp_state(model, optimizers, scheduler, shards)
+    state = dcp_state(model, optimizers, scheduler, shards)
     try:
         with _single_process_is_fine():
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())

@@ -108,6 +108,11 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    async_mode: str = "off"           # off | async | async_pinned: the write overlaps training (trainer/async_checkpoint.py)
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for reliability tests, and profiling."""
     crash_at_step: int | None = None                              # the process dies once at this step
@@ -124,6 +129,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1234
     resume: str = "auto"
@@ -163,6 +169,7 @@ CHOICES = {
     "train.trainable": ("all", "residual", "norms"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "parallel.schedule": ("interleaved_1f1b", "1f1b", "gpipe", "zero_bubble"),
+    "checkpoint.async_mode": ("off", "async", "async_pinned"),
 }
 
 # Every numeric setting's range, as (keys, test, what is allowed). NaN fails every test; inf fails
@@ -232,6 +239,12 @@ def validate(cfg: Config) -> Config:
         refusal = triton_refusal(on_cuda=torch.cuda.is_available())
         if refusal is not None:
             raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
+    if cfg.checkpoint.async_mode == "async_pinned":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("checkpoint.async_mode=async_pinned stages into pinned host memory, which needs a CUDA "
+                              "device; this machine has none: use checkpoint.async_mode=async")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
     return cfg

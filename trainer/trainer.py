@@ -23,10 +23,11 @@ from model.params import count_parameters
 from parallel.compile import apply_compile
 from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision
 from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
+from trainer.async_checkpoint import CheckpointSaver
 from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, pinned_names, read_meta,
                                 remove_partial_saves, unfinished_checkpoints,
-                                resolve_checkpoint, save_checkpoint)
+                                resolve_checkpoint)
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
@@ -84,6 +85,7 @@ class Trainer:
     def __init__(self, cfg: Config, info: DistInfo):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(cfg.run.dir).resolve()
+        self.saver: CheckpointSaver | None = None
         self.lock = lock_run_dir(self.run_dir, info.is_main)
         try:
             self._set_up()
@@ -93,6 +95,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (fit does this when it ends)."""
+        if self.saver is not None:
+            self.saver.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -133,6 +137,7 @@ class Trainer:
         configured_lrs = list(self.scheduler.base_lrs)  # optim.lr / muon_lr; a resume restores the checkpoint's
         self.resumed_from = self._resume()
         self._start_retrofit()
+        self.saver = CheckpointSaver(cfg.checkpoint.async_mode, info.device)
         self.resumed_train = self._checkpoint_train_config()
         self._continue_schedule(configured_lrs)
 
@@ -378,14 +383,20 @@ class Trainer:
                     log.summary(record)
                 if diagnostics is not None:
                     log.log_diagnostics(diagnostics)
+                published = self.saver.poll()  # the save in flight, once every rank's write is done
+                if published is not None:
+                    log.print(f"checkpoint {published} written")
                 stopping = train.stop_after is not None and steps_this_launch >= train.stop_after
                 if (self.step % train.ckpt_every == 0 or self.step == train.steps or stopping
                         or self.step == self.pre_decay_step):
                     path = self.save()
-                    log.print(f"checkpoint {path}")
+                    log.print(f"checkpoint {path}" + (" writing in the background" if self.saver.in_flight else ""))
                 if stopping:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
+            published = self.saver.wait()  # training ends when its last checkpoint is written
+            if published is not None:
+                log.print(f"checkpoint {published} written")
         finally:
             trace = profiler.close()  # a launch stopped inside the range keeps the steps it profiled
             if trace is not None:
@@ -527,8 +538,8 @@ class Trainer:
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state(),
                  "skipped_steps": self.skipped_steps}
         meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg)}
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer.optimizers,
-                               self.scheduler, extra, meta, self.cfg.train.keep_last, self.engine.shards)
+        return self.saver.save(self.run_dir, self.step, self.model, self.optimizer.optimizers, self.scheduler, extra,
+                               meta, self.cfg.train.keep_last, self.engine.shards)
 
 
 KNOWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, RunDirError, FileNotFoundError, ValueError)

@@ -430,9 +430,11 @@ def test_a_corrupt_newer_checkpoint_does_not_get_the_new_one_pruned(tmp_path, cf
 
 def test_under_torchrun_ranks_split_the_checksums_and_fall_back_together(tmp_path, tiny_dataset):
     """Two ranks: sorted files [.metadata, __0_0.distcp, __1_0.distcp, extra/rank_0.json, extra/rank_1.json],
-    so only rank 1 hashes __0_0.distcp; both must skip the checkpoint, or rank 0 would load it alone."""
+    so only rank 1 hashes __0_0.distcp; both must skip the checkpoint, or rank 0 would load it alone. The saves
+    are asynchronous (checkpoint.async_mode=async): each rank hashes its share once both ranks' background
+    writes are done, and the resume from step 2's checkpoint continues the run bitwise."""
     run = tmp_path / "run"
-    overrides = fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2})
+    overrides = fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2, "checkpoint.async_mode": "async"})
     result = torchrun(overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     uninterrupted = losses_by_step(run)

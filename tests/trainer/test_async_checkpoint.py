@@ -1,0 +1,74 @@
+"""checkpoint.async_mode=async (trainer/async_checkpoint.py): the write overlaps the next steps, training is
+bitwise the synchronous run's, a resume from an asynchronous checkpoint continues it bitwise, and a process
+killed before its save was published resumes from the checkpoint before."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import fast_train_overrides
+from parallel.dims import init_distributed
+from trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from trainer.config import ConfigError, load_config
+from trainer.trainer import Trainer
+
+ASYNC = {"checkpoint.async_mode": "async", "train.ckpt_every": 2}
+
+
+def train(overrides):
+    return Trainer(load_config(overrides), init_distributed()).fit()
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_async_saves_train_and_resume_bitwise_like_synchronous_saves(tmp_path, tiny_dataset):
+    synchronous, background, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
+    train(fast_train_overrides(synchronous, tiny_dataset, steps=4, **{"train.ckpt_every": 2}))
+    train(fast_train_overrides(background, tiny_dataset, steps=4, **ASYNC))
+    assert losses(background) == losses(synchronous)
+    log = (background / "train.log").read_text()
+    # step 2's checkpoint was written while step 3 trained, and published after it
+    assert log.index("step_00000002 writing in the background") < log.index("step 3/4") < log.index(
+        "step_00000002 written")
+    for step in (2, 4):
+        assert verify_checkpoint(background / "checkpoints" / f"step_{step:08d}")["step"] == step
+    assert not list((background / "checkpoints").glob(".tmp-*"))
+
+    # Step 2's checkpoint, written in the background while step 3 changed the weights, resumes bitwise.
+    train(fast_train_overrides(resumed, tiny_dataset, steps=4, resume=str(background / "checkpoints" / "step_00000002"),
+                               **ASYNC))
+    assert losses(resumed) == {step: loss for step, loss in losses(synchronous).items() if step > 2}
+
+
+def test_a_process_killed_with_a_save_in_flight_resumes_from_the_previous_checkpoint(tmp_path, tiny_dataset):
+    run = tmp_path / "run"
+    overrides = fast_train_overrides(run, tiny_dataset, steps=6, **ASYNC)
+    # debug.crash_at_step=4 ends the process with os._exit right after step 4's save was handed to the
+    # background: no cleanup, no finally, the write threads die where they are, as under SIGKILL.
+    crashed = subprocess.run([sys.executable, "-m", "trainer.main", *overrides, "debug.crash_at_step=4"],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 13, crashed.stderr[-2000:]
+    assert "step_00000004 writing in the background" in (run / "train.log").read_text()
+    assert latest_checkpoint(run).name == "step_00000002"
+    assert not (run / "checkpoints" / "step_00000004").exists()  # at most its .tmp-step_00000004
+
+    trainer = Trainer(load_config(overrides), init_distributed())
+    assert trainer.resumed_from == run / "checkpoints" / "step_00000002"
+    trainer.fit()
+    reference = tmp_path / "uninterrupted"
+    train(fast_train_overrides(reference, tiny_dataset, steps=6, **ASYNC))
+    assert losses(run) == losses(reference)
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_pinned_staging_without_cuda_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as refused:
+        load_config(["checkpoint.async_mode=async_pinned"])
+    assert str(refused.value) == ("checkpoint.async_mode=async_pinned stages into pinned host memory, which needs a "
+                                  "CUDA device; this machine has none: use checkpoint.async_mode=async")
