@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.config import ModelConfig
+
 
 @dataclass
 class DistInfo:
@@ -103,15 +105,69 @@ class Degrees:
 
     def name(self) -> str:
         """'dp2_fsdp2_pp2' (the degrees above 1, in mesh order), 'single' for one rank."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "fsdp", "cp", "pp", "vp", "tp", "ep") if getattr(self, k) > 1]
+        parts = [f"{k}{getattr(self, k)}" for k in MESH_ORDER if getattr(self, k) > 1]
         return "_".join(parts) or "single"
 
+    def problems(self, model: ModelConfig, seq_len: int, micro_batch: int | None = None,
+                 global_batch: int | None = None) -> list[str]:
+        """Why this layout cannot train `model` on sequences of `seq_len` tokens, one line each (empty: it
+        can). The one statement of the layout's rules: the trainer's config check, the memory planner and its
+        layout search all ask it. The batch rules apply when micro_batch and global_batch are given."""
+        bad = [f"parallel.{key}={getattr(self, key)} must be positive" for key in MESH_ORDER if getattr(self, key) < 1]
+        if bad:
+            return bad
+        for key, value in (("model.n_heads", model.n_heads), ("model.dense_inter", model.dense_inter),
+                           ("train.seq_len", seq_len)):
+            if value % self.tp:
+                bad.append(f"{key}={value} must be divisible by parallel.tp={self.tp} (heads, channels and the "
+                           "sequence are split tp ways)")
+        if self.cp > 1:
+            bad += self._context_problems(model, seq_len)
+        if model.moe.n_routed_experts % self.ep:
+            bad.append(f"model.moe.n_routed_experts={model.moe.n_routed_experts} must be divisible by "
+                       f"parallel.ep={self.ep}")
+        if self.pp * self.vp > model.n_blocks:
+            bad.append(f"parallel.pp * parallel.vp = {self.pp * self.vp} chunks is more than model.n_blocks="
+                       f"{model.n_blocks} transformer blocks")
+        if self.dp % self.ep:
+            bad.append(f"parallel.ep={self.ep} must divide the data-parallel size dp={self.dp}: expert-parallel "
+                       "groups are carved out of the data-parallel ranks")
+        if micro_batch is not None and global_batch is not None:
+            bad += self._batch_problems(micro_batch, global_batch)
+        return bad
 
-@dataclass
+    def _context_problems(self, model: ModelConfig, seq_len: int) -> list[str]:
+        if seq_len % self.sequence_ranks:
+            return [f"train.seq_len={seq_len} must be divisible by parallel.cp * parallel.tp = {self.cp} * {self.tp} "
+                    "(every rank holds an equal slice of each sequence)"]
+        piece, history = seq_len // self.cp, model.kda.conv_kernel - 1
+        if piece % 2:
+            return [f"train.seq_len / parallel.cp = {piece} tokens per slice must be even: MLA balances its causal "
+                    "work over 2 * cp half-slices"]
+        if piece < history:
+            return [f"train.seq_len / parallel.cp = {piece} tokens per slice is fewer than the {history} a KDA short "
+                    "convolution reads from the slice before (model.kda.conv_kernel - 1)"]
+        return []
+
+    def _batch_problems(self, micro_batch: int, global_batch: int) -> list[str]:
+        if global_batch % (micro_batch * self.data_ranks):
+            return [f"train.global_batch={global_batch} must be a multiple of train.micro_batch * dp * fsdp = "
+                    f"{micro_batch} * {self.dp} * {self.fsdp}"]
+        microbatches = global_batch // (micro_batch * self.data_ranks)
+        if self.pp > 1 and self.vp > 1 and microbatches % self.pp:
+            return [f"interleaved pipelining needs the microbatches per step (train.global_batch / (train.micro_batch "
+                    f"* dp * fsdp) = {microbatches}) to be a multiple of parallel.pp={self.pp}"]
+        return []
+
+
+MESH_ORDER = ("dp", "fsdp", "cp", "pp", "vp", "tp", "ep")
+
+
+@dataclass(kw_only=True)
 class Layout:
     """Where this rank sits in the (dp, fsdp, cp, pp, tp) mesh of `degrees`, and the groups it talks to.
 
-    `dp` is the ranks that see different data (`degrees.data_ranks`: replicas times fsdp shards;
+    `data_ranks` is the ranks that see different data (replicas times fsdp shards;
     `dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
     gradients and optimizer state over the `fsdp` ranks of one replica (`fsdp_mesh`: 1-D, or 2-D
     (replica, shard) for HSDP), and over the cp ranks too. Expert parallelism splits each dp group into
@@ -136,7 +192,7 @@ class Layout:
     dp_cp_group: object | None = None
 
     @property
-    def dp(self) -> int:
+    def data_ranks(self) -> int:
         return self.degrees.data_ranks
 
     @property
@@ -192,7 +248,8 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
         fsdp_mesh = mesh["replica", shard_name]
     elif fsdp > 1:
         fsdp_mesh = mesh["dp_rep", shard_name] if dp > 1 else shard_dim
-    return Layout(degrees, data_mesh.get_local_rank(), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"),
-                  mesh.get_local_rank("ep"), data_mesh.get_group(), mesh.get_group("pp"), mesh.get_group("tp"),
-                  mesh.get_group("ep"), expert_dp_group, mesh, fsdp_mesh, mesh.get_local_rank("cp"),
-                  mesh.get_group("cp"), dp_cp_group)
+    return Layout(degrees=degrees, dp_rank=data_mesh.get_local_rank(), pp_rank=mesh.get_local_rank("pp"),
+                  tp_rank=mesh.get_local_rank("tp"), ep_rank=mesh.get_local_rank("ep"), dp_group=data_mesh.get_group(),
+                  pp_group=mesh.get_group("pp"), tp_group=mesh.get_group("tp"), ep_group=mesh.get_group("ep"),
+                  expert_dp_group=expert_dp_group, mesh=mesh, fsdp_mesh=fsdp_mesh, cp_rank=mesh.get_local_rank("cp"),
+                  cp_group=mesh.get_group("cp"), dp_cp_group=dp_cp_group)

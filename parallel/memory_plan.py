@@ -415,27 +415,22 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8) -> list[Degrees]:
-    """Every (dp, fsdp, cp, pp, vp, tp, ep) with dp*fsdp*cp*pp*tp = gpus that the model's shape and the
-    trainer allow: tp divides heads and dense width (at most `max_tp`: one node); cp*tp divides seq_len and a
-    cp slice is even (MLA's balanced halves) and holds the conv_kernel - 1 tokens KDA's convolution reads
-    before it (trainer/config.py's _validate_context_parallel, which refuses no other cp layout); pp*vp <= blocks; ep divides dp and the
-    experts; vp in {1, 2}."""
+def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8, micro_batch: int | None = None,
+                      global_batch: int | None = None) -> list[Degrees]:
+    """Every (dp, fsdp, cp, pp, vp, tp, ep) with dp*fsdp*cp*pp*tp = gpus, tp at most `max_tp` (one node) and
+    vp in {1, 2}, that the layout's rules allow (`Degrees.problems`; the batch's where it is given)."""
     out = []
     for tp, cp, pp in itertools.product(_divisors(gpus), repeat=3):
-        if tp > max_tp or gpus % (tp * cp * pp) or any(v % tp for v in (cfg.n_heads, cfg.dense_inter)):
-            continue
-        if seq_len % (cp * tp) or (seq_len // cp) % 2 or seq_len // cp < cfg.kda.conv_kernel - 1:
+        if tp > max_tp or gpus % (tp * cp * pp):
             continue
         rest = gpus // (tp * cp * pp)
         for fsdp in _divisors(rest):
             dp = rest // fsdp
             for ep in _divisors(dp):
-                if cfg.moe.n_routed_experts % ep:
-                    continue
                 for vp in (1, 2) if pp > 1 else (1,):
-                    if pp * vp <= cfg.n_blocks:
-                        out.append(Degrees(dp, fsdp, pp, vp, tp, ep, cp))
+                    layout = Degrees(dp=dp, fsdp=fsdp, pp=pp, vp=vp, tp=tp, ep=ep, cp=cp)
+                    if not layout.problems(cfg, seq_len, micro_batch, global_batch):
+                        out.append(layout)
     return out
 
 
@@ -450,11 +445,8 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
     fitting = []
     cache: dict[tuple, list[ParamCount]] = {}
     sizes = parameter_sizes(cfg)
-    for layout in candidate_layouts(cfg, gpus, seq_len):
-        data_ranks = layout.dp * layout.fsdp
-        if global_batch % (micro_batch * data_ranks):
-            continue
-        microbatches = global_batch // (micro_batch * data_ranks)
+    for layout in candidate_layouts(cfg, gpus, seq_len, micro_batch=micro_batch, global_batch=global_batch):
+        microbatches = global_batch // (micro_batch * layout.data_ranks)
         key = (layout.pp, layout.vp, layout.tp, layout.ep)
         if key not in cache:
             cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes)

@@ -58,7 +58,7 @@ def rank_share(items: list, layout: Layout, lockstep: bool):
     every data rank runs the same number of forwards, because a forward talks to the other data ranks
     (FSDP gathers parameters, expert parallelism sends tokens to the ep peers): a rank whose share is one
     short runs its last item again and does not count it."""
-    data_ranks, rank = layout.dp, layout.dp_rank
+    data_ranks, rank = layout.data_ranks, layout.dp_rank
     if not lockstep:
         return [(items[i], True) for i in range(rank, len(items), data_ranks)]
     rounds = -(-len(items) // data_ranks)

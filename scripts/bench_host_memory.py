@@ -33,10 +33,10 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
     from parallel.parallelize import materialise_parallel, shard_model
     from trainer.config import load_config
 
-    layout = Layout(Degrees(tp=tp, ep=ep))  # rank 0 of each group; no process group is needed to slice
+    layout = Layout(degrees=Degrees(tp=tp, ep=ep))  # rank 0 of each group; no process group is needed to slice
     info = DistInfo(0, 1, 0, torch.device("cpu"), None)
     warm_up = build_model(load_config(["model=xs"]), device="meta")
-    materialise_parallel(warm_up, info, Layout(Degrees(tp=tp)), 0, torch.float32)  # model=xs has too few experts for ep=8
+    materialise_parallel(warm_up, info, Layout(degrees=Degrees(tp=tp)), 0, torch.float32)  # model=xs has too few experts for ep=8
     del warm_up
 
     model = build_model(load_config([f"model={model_name}", "variant=block"]), device="meta")

@@ -34,7 +34,8 @@ class PlanError(ValueError):
 
 
 def refusal(cfg, layout: Degrees) -> str | None:
-    """trainer.config.validate's verdict on this layout (None: the trainer runs it today)."""
+    """The trainer's verdict on this layout (None: it runs it today): the config's own checks, then the
+    layout's rules (`Degrees.problems`; the batch is the planner's, checked by `check_layout`)."""
     trial = copy.deepcopy(cfg)
     trial.parallel.dp, trial.parallel.fsdp, trial.parallel.pp = layout.dp, layout.fsdp, layout.pp
     trial.parallel.vp, trial.parallel.tp, trial.parallel.ep = layout.vp, layout.tp, layout.ep
@@ -47,9 +48,8 @@ def refusal(cfg, layout: Degrees) -> str | None:
         validate(trial)
     except ConfigError as error:
         return str(error)
-    if layout.dp % layout.ep:
-        return f"parallel.ep={layout.ep} must divide dp={layout.dp}"
-    return None
+    problems = layout.problems(cfg.model, cfg.train.seq_len)
+    return problems[0] if problems else None
 
 
 def parse_layout(overrides: list[str], gpus: int) -> tuple[Degrees, list[str]]:
@@ -75,36 +75,22 @@ def parse_layout(overrides: list[str], gpus: int) -> tuple[Degrees, list[str]]:
     layout = Degrees(**values)
     if layout.world != gpus:
         raise PlanError(f"parallel.dp * fsdp * cp * pp * tp = {layout.world} does not match --gpus {gpus}")
-    if layout.dp % layout.ep:
-        raise PlanError(f"parallel.ep={layout.ep} must divide parallel.dp={layout.dp} (ep is carved out of dp)")
     return layout, rest
 
 
-def check_shape(cfg, layout: Degrees) -> None:
-    m, t = cfg.model, cfg.train
-    if m.moe.n_routed_experts % layout.ep:
-        raise PlanError(f"parallel.ep={layout.ep} must divide model.moe.n_routed_experts={m.moe.n_routed_experts}")
-    if layout.pp * layout.vp > m.n_blocks:
-        raise PlanError(f"parallel.pp * parallel.vp = {layout.pp * layout.vp} is more than model.n_blocks={m.n_blocks}")
-    for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter)):
-        if value % layout.tp:
-            raise PlanError(f"{key}={value} must be divisible by parallel.tp={layout.tp}")
-    if t.seq_len % layout.sequence_ranks:
-        raise PlanError(f"train.seq_len={t.seq_len} must be divisible by parallel.cp * parallel.tp = "
-                        f"{layout.cp} * {layout.tp}")
-    if t.seq_len // layout.cp < m.kda.conv_kernel - 1:
-        raise PlanError(f"train.seq_len / parallel.cp = {t.seq_len // layout.cp} tokens per slice is fewer than "
-                        f"model.kda.conv_kernel - 1 = {m.kda.conv_kernel - 1}")
+def check_layout(cfg, layout: Degrees, explicit_batch: bool) -> None:
+    """The layout's rules (`Degrees.problems`), the batch's only where it was given."""
+    t = cfg.train
+    problems = (layout.problems(cfg.model, t.seq_len, t.micro_batch, t.global_batch) if explicit_batch
+                else layout.problems(cfg.model, t.seq_len))
+    if problems:
+        raise PlanError(problems[0])
 
 
 def microbatches_of(cfg, layout: Degrees, explicit_batch: bool) -> int:
     if not explicit_batch:
         return STEADY_STATE
-    t, data = cfg.train, layout.dp * layout.fsdp
-    if t.global_batch % (t.micro_batch * data):
-        raise PlanError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch * dp * fsdp = "
-                        f"{t.micro_batch} * {layout.dp} * {layout.fsdp}")
-    return t.global_batch // (t.micro_batch * data)
+    return cfg.train.global_batch // (cfg.train.micro_batch * layout.data_ranks)
 
 
 def gib(n: float) -> str:
@@ -149,8 +135,8 @@ def report(p: Plan, budget: float, gpu_bytes: float, headroom: float, refused: s
 def run_plan(args, overrides: list[str]) -> None:
     layout, rest = parse_layout(overrides, args.gpus)
     cfg = load_config(rest)
-    check_shape(cfg, layout)
     explicit = any(o.startswith("train.global_batch=") for o in rest)
+    check_layout(cfg, layout, explicit)
     gpu_bytes = args.gpu_mem_gib * GIB
     budget = gpu_bytes * (1 - args.headroom)
     if args.search:
@@ -228,10 +214,9 @@ def check_cpu(args) -> None:
         for name, nproc, extra in [run for run in CPU_RUNS if run[0] in args.layouts.split(",")]:
             layout = {"single": Degrees(), "dp2": Degrees(dp=2), "fsdp2": Degrees(fsdp=2),
                       "pp2": Degrees(pp=2), "fsdp2_tp2": Degrees(fsdp=2, tp=2)}[name]
-            data = layout.dp * layout.fsdp
             for mode in ("none", "full"):
                 p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
-                         microbatches=cfg.train.global_batch // (cfg.train.micro_batch * data), mode=mode,
+                         microbatches=microbatches_of(cfg, layout, explicit_batch=True), mode=mode,
                          device="cpu", runtime_bytes=runtime * MIB, stage=0)  # rank 0 writes metrics.jsonl
                 measured, step = measured_peak_mib(name, nproc, extra, mode, Path(tmp))
                 planned = p.total_bytes / MIB

@@ -315,49 +315,20 @@ def check_values(cfg: Config) -> Config:
     p = cfg.parallel
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
-    if p.tp > 1:
-        for key, value in (("model.n_heads", m.n_heads), ("model.dense_inter", m.dense_inter),
-                           ("train.seq_len", t.seq_len)):
-            if value % p.tp:
-                raise ConfigError(f"{key}={value} must be divisible by parallel.tp={p.tp} (heads, channels and "
-                                  "the sequence are split tp ways)")
     if p.cp < 1:
         raise ConfigError(f"parallel.cp={p.cp} must be a positive number of ranks")
-    if p.cp > 1:
-        _validate_context_parallel(cfg)
-    if m.moe.n_routed_experts % p.ep:
-        raise ConfigError(f"model.moe.n_routed_experts={m.moe.n_routed_experts} must be divisible by parallel.ep={p.ep}")
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise ConfigError(f"parallel.schedule={p.schedule} runs one stage per rank; parallel.vp={p.vp} needs "
                           "interleaved_1f1b")
     if p.schedule == "zero_bubble" and p.pp_cache and r.variant != "baseline":
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
-    if p.pp > 1:
-        if p.pp * p.vp > m.n_blocks:
-            raise ConfigError(f"parallel.pp * parallel.vp = {p.pp * p.vp} chunks is more than model.n_blocks="
-                              f"{m.n_blocks} transformer blocks")
-        if r.window is not None and p.pp_cache:
-            raise ConfigError("variant.window with parallel.pp_cache=true is not supported: blocks outside the window "
-                              "get no gradient to carry back; set parallel.pp_cache=false")
+    if p.pp > 1 and r.window is not None and p.pp_cache:
+        raise ConfigError("variant.window with parallel.pp_cache=true is not supported: blocks outside the window "
+                          "get no gradient to carry back; set parallel.pp_cache=false")
     _validate_throughput_options(cfg)
     _validate_retrofit_options(cfg)
     return cfg
-
-
-def _validate_context_parallel(cfg: Config) -> None:
-    p, t = cfg.parallel, cfg.train
-    pieces = p.cp * p.tp
-    if t.seq_len % pieces:
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.cp * parallel.tp = {p.cp} * "
-                          f"{p.tp} (every rank holds an equal slice of each sequence)")
-    if (t.seq_len // p.cp) % 2:
-        raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice must be even: MLA "
-                          "balances its causal work over 2 * cp half-slices")
-    history = cfg.model.kda.conv_kernel - 1
-    if t.seq_len // p.cp < history:
-        raise ConfigError(f"train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per slice is fewer than the "
-                          f"{history} a KDA short convolution reads from the slice before (model.kda.conv_kernel - 1)")
 
 
 # -- retrofitting (init_from, train.trainable, train.unfreeze_after; trainer/retrofit.py) ----------------
@@ -388,27 +359,18 @@ def _validate_throughput_options(cfg: Config) -> None:
 
 
 def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
-    """Check the parallel layout against the processes started; returns (data-parallel ranks, i.e. dp *
-    fsdp, and microbatches per step)."""
+    """Check the parallel layout against the processes started and the model (`Degrees.problems`, the
+    layout's rules); returns (the ranks splitting a batch, dp * fsdp, and microbatches per step)."""
     p, t = cfg.parallel, cfg.train
     degrees = Degrees.of(p, world_size)
-    dp = degrees.dp
     if degrees.world != world_size:
-        raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = {dp} * {p.fsdp} * "
-                          f"{p.cp} * {p.pp} * {p.tp} = {degrees.world} does not match the {world_size} processes started "
-                          "(torchrun --nproc-per-node x --nnodes)")
-    if dp % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size dp={dp}: expert-parallel groups "
-                          "are carved out of the data-parallel ranks")
-    data_ranks = degrees.data_ranks  # fsdp ranks split the batch like replicas do
-    if t.global_batch % (t.micro_batch * data_ranks):
-        raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch * dp * "
-                          f"fsdp = {t.micro_batch} * {dp} * {p.fsdp}")
-    microbatches = t.global_batch // (t.micro_batch * data_ranks)
-    if p.pp > 1 and p.vp > 1 and microbatches % p.pp:
-        raise ConfigError(f"interleaved pipelining needs the microbatches per step (train.global_batch / "
-                          f"(train.micro_batch * dp) = {microbatches}) to be a multiple of parallel.pp={p.pp}")
-    return data_ranks, microbatches
+        raise ConfigError(f"parallel.dp * parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = {degrees.dp} * "
+                          f"{p.fsdp} * {p.cp} * {p.pp} * {p.tp} = {degrees.world} does not match the {world_size} "
+                          "processes started (torchrun --nproc-per-node x --nnodes)")
+    problems = degrees.problems(cfg.model, t.seq_len, t.micro_batch, t.global_batch)
+    if problems:
+        raise ConfigError(problems[0])
+    return degrees.data_ranks, t.global_batch // (t.micro_batch * degrees.data_ranks)
 
 
 def _one_line(error: OmegaConfBaseException) -> str:

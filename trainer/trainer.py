@@ -413,7 +413,7 @@ class Trainer:
                   f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
                   f"world={info.world_size} ({info.backend or 'single process'}, {info.device}, "
                   f"{'bf16' if self.precision == torch.bfloat16 else 'fp32'}; "
-                  f"data ranks={self.layout.dp} (fsdp={self.layout.fsdp}) cp={self.layout.cp} pp={self.layout.pp} tp={self.layout.tp} "
+                  f"data ranks={self.layout.data_ranks} (fsdp={self.layout.fsdp}) cp={self.layout.cp} pp={self.layout.pp} tp={self.layout.tp} "
                   f"ep={self.layout.ep}), "
                   f"accumulation={self.accumulation}, step {self.step}/{cfg.train.steps}{resumed}")
         peak = (f"peak {self.peak_tflops:g} TFLOP/s per rank" if self.peak_tflops is not None
@@ -458,7 +458,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, train = self.cfg, self.cfg.train
         start = time.perf_counter()
-        samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.dp)
+        samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.data_ranks)
         # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
         # Diagnostics need the whole model and whole sequences on one rank (cp's first slice is not typical).
         whole_model = self.layout.pp == 1 and self.layout.degrees.sequence_ranks == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import fast_train_overrides, launch_parity_worker, torchrun, torchrun_runs
-from parallel.dims import init_distributed
+from parallel.dims import Degrees, init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
 from trainer.config import ConfigError, load_config, validate_layout
@@ -92,8 +92,9 @@ def test_volume_matches_the_papers_formulas_and_the_exact_optimum():
     (["parallel=pp2_vp2", "parallel.schedule=zero_bubble"], "zero_bubble"),
 ])
 def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
-    with pytest.raises(ConfigError, match=fragment):
-        load_config(overrides)
+    with pytest.raises(ConfigError, match=fragment):  # at load, or by the layout's rules before any process starts
+        cfg = load_config(overrides)
+        validate_layout(cfg, Degrees.of(cfg.parallel, 1).world)
 
 
 @pytest.mark.parametrize("overrides, world, fragment", [

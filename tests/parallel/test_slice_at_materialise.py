@@ -18,7 +18,7 @@ SEED = 3
 
 def _layout(tp_rank: int, ep_rank: int) -> Layout:
     # Slicing needs only each rank's coordinates; no process group is touched before a forward.
-    return Layout(Degrees(tp=2, ep=2), tp_rank=tp_rank, ep_rank=ep_rank)
+    return Layout(degrees=Degrees(tp=2, ep=2), tp_rank=tp_rank, ep_rank=ep_rank)
 
 
 @pytest.mark.parametrize("tp_rank,ep_rank", [(0, 1), (1, 0)])

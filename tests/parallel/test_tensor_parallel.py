@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fast_train_overrides, launch_parity_worker, torchrun_runs
-from parallel.dims import init_distributed
+from parallel.dims import Degrees, init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
 
@@ -119,8 +119,9 @@ def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tmp_path, tiny_dat
     (["parallel=cp2", "parallel.cp=64", "train.seq_len=128"], "train.seq_len / parallel.cp = 2 tokens per slice"),
 ])
 def test_tp_and_ep_layouts_that_cannot_work_are_refused_in_one_line(overrides, fragment):
-    with pytest.raises(ConfigError, match=fragment):
-        load_config(overrides)
+    with pytest.raises(ConfigError, match=fragment):  # at load, or by the layout's rules before any process starts
+        cfg = load_config(overrides)
+        validate_layout(cfg, Degrees.of(cfg.parallel, 1).world)
 
 
 @pytest.mark.parametrize("overrides, world, fragment", [

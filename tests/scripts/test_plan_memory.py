@@ -85,7 +85,7 @@ def test_search_lists_layouts_for_48b_on_64_gpus_of_80_gib():
      "error: --gpus 64 is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 3"),
     (["parallel.cp=3", "--gpus", "6", "train.seq_len=128"],
      "error: train.seq_len=128 must be divisible by parallel.cp * parallel.tp = 3 * 1"),
-    (["parallel.ep=3", "--gpus", "6"], "error: parallel.ep=3 must divide model.moe.n_routed_experts=8"),
+    (["parallel.ep=3", "--gpus", "6"], "error: model.moe.n_routed_experts=8 must be divisible by parallel.ep=3"),
     (["parallel.pp=0"], "error: parallel.pp=0 must be a positive integer"),
     (["--gpus", "0"], "error: --gpus=0 must be >= 1"),
 ])
