@@ -31,8 +31,10 @@ setup(
         "megatron-core>=0.16,<0.17",
         "tqdm>=4.66",
         "wandb>=0.17",
-        # scripts/report: the comparison report's figures (Agg backend, no display needed).
+        # scripts/report: the comparison report's figures (Agg backend, no display needed) and the Student-t
+        # quantile of its paired intervals.
         "matplotlib>=3.7",
+        "scipy>=1.10",
     ],
     extras_require={
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (CI: triton 3.9; 3.6, which torch

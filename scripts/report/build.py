@@ -7,10 +7,11 @@ from pathlib import Path
 
 from scripts.report import curves, depth, sweeps
 from scripts.report.downstream import downstream_section
+from scripts.report.multiplier import multiplier_section
 from scripts.report.sanity import sanity_section
 from scripts.report.runs import Group, Run, group_runs
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
-from scripts.report.table import Row, build_rows, to_markdown
+from scripts.report.table import PAIRED_NOTE, Row, build_rows, recipe_lines, to_markdown
 
 FLOPS_NOTE = ("FLOPs are training FLOPs (forward + backward) from `model/flops.py`: 6 x activated matmul parameters "
               "per token plus MLA attention, the KDA recurrence and the depth reads.")
@@ -25,7 +26,7 @@ def image(path: Path, caption: str) -> str:
 
 
 def ordering(rows: list[Row]) -> list[str]:
-    """Per size, the variants from lowest to highest final loss, with each difference's noise verdict."""
+    """Per setting, the variants from lowest to highest final loss, with each paired difference's noise label."""
     lines = []
     for size in dict.fromkeys(r.group.size for r in rows):
         ranked = sorted((r for r in rows if r.group.size == size and r.loss is not None), key=lambda r: r.loss)
@@ -33,8 +34,8 @@ def ordering(rows: list[Row]) -> list[str]:
             continue
         lines.append(f"- **{size}**, lowest loss first: "
                      + " < ".join(f"{r.group.variant} {r.loss:.4f}" for r in ranked))
-        lines += [f"  - {r.group.variant} vs baseline: {r.diff:+.4f}, {r.verdict}"
-                  for r in ranked if r.diff is not None]
+        lines += [f"  - {r.group.variant} minus baseline: {r.vs_baseline.text()}: {r.vs_baseline.label()}"
+                  for r in ranked if r.vs_baseline is not None]
     return lines
 
 
@@ -135,14 +136,12 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     rows = build_rows(groups)
-    seeds = max(len(g.runs) for g in groups)
     lines = [f"# {title}", "",
              f"{len(runs)} runs: " + ", ".join(f"`{run.path}`" for run in runs) + ".", "",
-             "## Final validation loss", "", to_markdown(rows), "",
-             "Differences to the baseline are called seed noise when |diff| < 2 x pooled std over seeds"
-             + ("; with a single seed there is no noise estimate, so no difference here can be called real."
-                if seeds < 2 else "."), "", *ordering(rows), "",
+             "## Final validation loss", "", to_markdown(rows), "", PAIRED_NOTE, "", *ordering(rows), "",
+             *recipe_lines(groups),
              *sanity_section(groups),
+             *multiplier_section(groups, out_dir),
              *downstream_section(groups),
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),

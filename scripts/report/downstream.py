@@ -3,8 +3,7 @@ writes when the experiment sets `eval.tasks`), with each variant's paired differ
 from __future__ import annotations
 
 from scripts.report.runs import Group
-from scripts.report.sanity import paired_text
-from scripts.report.stats import mean_std
+from scripts.report.stats import mean_std, paired
 from scripts.report.table import baseline_of
 
 
@@ -24,8 +23,10 @@ def value_text(by_seed: dict[int, tuple[float, float | None]]) -> str:
 
 
 def diff_text(by_seed: dict, base_by_seed: dict) -> str:
-    diffs = [value - base_by_seed[seed][0] for seed, (value, _) in by_seed.items() if seed in base_by_seed]
-    return paired_text(diffs) if diffs else "-"
+    diff = paired({seed: value for seed, (value, _) in by_seed.items()},
+                  {seed: value for seed, (value, _) in base_by_seed.items()})
+    # The text without the noise label: its "ahead" means a lower loss, and task metrics are higher-better.
+    return diff.text() if diff is not None else "-"
 
 
 def metrics_in(groups: list[Group]) -> list[tuple[str, str]]:

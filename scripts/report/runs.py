@@ -10,6 +10,7 @@ setting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -26,6 +27,7 @@ from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
 from model.residual import DepthGeometry
 from trainer.config import CONFIG_DIR, Config
+from trainer.optim import lr_multiplier
 
 EVAL_FILE = "eval.json"
 VARIANT_ORDER = ("baseline", "highway", "x0", "full", "block", "mhc", "hc")
@@ -140,19 +142,25 @@ def _shape(model: ModelConfig) -> dict:
     return shape
 
 
+@functools.cache
+def known_shapes() -> tuple[tuple[str, dict], ...]:
+    """(name, shape) of every configs/model/ file, read once: merging them is most of a report's load time."""
+    return tuple((path.stem, _shape(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                                        OmegaConf.load(path)))))
+                 for path in sorted((CONFIG_DIR / "model").glob("*.yaml")))
+
+
 def size_name(model: ModelConfig) -> str:
     """The configs/model/ name with this shape (xs, s, ...), else d<width>xL<blocks>. A known shape with another
     count of dense blocks is that name plus 'dense' (every block dense: the dense-vs-MoE control) or
     'n_dense_layers=K'."""
     shape = _shape(model)
-    for path in sorted((CONFIG_DIR / "model").glob("*.yaml")):
-        known = _shape(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                                                           OmegaConf.load(path))))
+    for name, known in known_shapes():
         if known == shape:
-            return path.stem
+            return name
         if known == {**shape, "n_dense_layers": known["n_dense_layers"]}:
             dense = model.n_dense_layers
-            return f"{path.stem} " + ("dense" if dense == model.n_blocks else f"n_dense_layers={dense}")
+            return f"{name} " + ("dense" if dense == model.n_blocks else f"n_dense_layers={dense}")
     return f"d{model.d_model}xL{model.n_blocks}"
 
 
@@ -215,9 +223,20 @@ class Run:
         return self.steps >= self.config.train.steps
 
     @property
+    def evaluations(self) -> list[dict]:
+        """The training records of every evaluation with a finite validation loss."""
+        return [r for r in self.metrics if measured(r.get("val_loss"))]
+
+    @property
     def val_curve(self) -> list[tuple[int, float]]:
         """(tokens, validation loss) at every evaluation with a finite loss."""
-        return [(r["tokens"], r["val_loss"]) for r in self.metrics if measured(r.get("val_loss"))]
+        return [(r["tokens"], r["val_loss"]) for r in self.evaluations]
+
+    def in_decay(self, step: int) -> bool:
+        """Whether the evaluation after `step` updates follows updates of the LR decay (past warm-up, below
+        the peak), where the loss falls for the schedule's sake as well as for the tokens'."""
+        last_update = step - 1
+        return last_update >= self.config.train.warmup_steps and lr_multiplier(last_update, self.config.train) < 1
 
     @property
     def final_val_loss(self) -> float | None:
@@ -287,6 +306,11 @@ class Group:
     @property
     def model_size(self) -> str:
         return self.runs[0].size
+
+    @property
+    def final_by_seed(self) -> dict[int, float]:
+        """seed -> final validation loss, over the runs that have one."""
+        return {run.seed: run.final_val_loss for run in self.runs if run.final_val_loss is not None}
 
     @property
     def lr(self) -> float:

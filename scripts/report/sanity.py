@@ -12,13 +12,15 @@
 """
 from __future__ import annotations
 
-import math
-import statistics
-
 from scripts.report.depth import mean_record
 from scripts.report.runs import Group
-from scripts.report.stats import NOISE_SIGMAS, mean_std, pooled_std, pooled_std_of
+from scripts.report.stats import Paired
 from scripts.report.sweeps import final_losses
+from scripts.report.table import paired_groups
+
+# The paper (436M activated, its Table 4 and section 5): Full 1.737 < Block S=4 1.746 < one block, which keeps
+# about a third of Full's gain (-0.009 against -0.029) < baseline 1.766.
+PAPER_ORDER = "the paper: Full 1.737 < Block 1.746 < one block (about a third of Full's gain) < baseline 1.766"
 
 
 def is_one_block(group: Group) -> bool:
@@ -26,59 +28,48 @@ def is_one_block(group: Group) -> bool:
     return group.is_plain_block and group.block_size >= model.n_sublayers
 
 
-def seed_spread(a: list[float], b: list[float], same_size: list[list[float]]) -> float | None:
-    """The pooled std of the two groups; when either has a single seed, the pooled std of every group of
-    the same model size that has two or more (seed noise depends on the size and budget, not the group)."""
-    pooled = pooled_std(a, b)
-    return pooled if pooled is not None else pooled_std_of(same_size)
-
-
-def paired(a: Group, b: Group) -> list[float]:
-    """a's final loss minus b's, seed by seed, over the seeds both have finished (the same seed gives
-    both the same data order and the same initial weights for the parameters they share)."""
-    losses_b = {run.seed: run.final_val_loss for run in b.runs if run.final_val_loss is not None}
-    return [run.final_val_loss - losses_b[run.seed] for run in a.runs
-            if run.final_val_loss is not None and run.seed in losses_b]
-
-
-def paired_text(diffs: list[float]) -> str:
-    mean, sd = mean_std(diffs)
-    spread = f" ± {sd:.4f}" if sd is not None else ""
-    return f"{mean:+.4f}{spread} (paired, {len(diffs)} seed{'s' if len(diffs) > 1 else ''})"
-
-
 def attends_over_depth(group: Group) -> bool:
     """Full, or Block with more than one block: a read that selects among earlier depths."""
     return group.kind == "full" or (group.is_plain_block and not is_one_block(group))
 
 
-def one_block_verdict(head: str, one: Group, base: Group, deep: list[Group], pooled: float | None) -> str:
+def stated(diff: Paired) -> str:
+    return f"{diff.text()}: {diff.label()}"
+
+
+def order_line(behind: Group, ahead: Group, diff: Paired) -> str:
+    """`behind` minus `ahead`, which the paper has ahead: whether these runs keep that order, reverse it, or
+    cannot tell."""
+    head = f"  - {behind.variant} minus {ahead.variant}: {stated(diff)}"
+    if diff.n == 1:
+        return f"{head}; one seed cannot order them."
+    if not diff.excludes_zero:
+        return f"{head}; the order is not established."
+    if diff.mean > 0:
+        return f"{head}: the paper's order."
+    return f"{head}: **the reverse of the paper's order** ({PAPER_ORDER})."
+
+
+def one_block_lines(setting: str, one: Group, base: Group, deep: list[Group]) -> list[str]:
     """One block keeps the embedding as its own source b_0, and every read weighs it against the running
-    sum: the paper (436M) measured it at about a third of Full's gain (-0.009 against -0.029). It should
-    gain less than the variants that select among depths; gaining more says the gain here is access to the
-    embedding (or a handicapped baseline), not depth selection."""
-    diff = statistics.fmean(final_losses(one)) - statistics.fmean(final_losses(base))
-    if pooled is None:
-        return (f"{head}; no group of this size has two seeds, so there is no noise estimate and this check "
-                "cannot flag anything.")
-    if not deep:
-        if diff < -NOISE_SIGMAS * pooled:
-            return (f"{head}, more than {NOISE_SIGMAS:g} pooled std ({NOISE_SIGMAS * pooled:.4f}) below the "
-                    "baseline, with no Full or Block run to set it against. **Warning: the sign of a "
-                    "mis-specified baseline, or of a gain that is access to the embedding.** The paper measured "
-                    "one block at about a third of Full's gain; add Full and `variant=x0` runs to tell which.")
-        return f"{head}, within {NOISE_SIGMAS:g} pooled std ({NOISE_SIGMAS * pooled:.4f}) or above the baseline."
-    best = min(deep, key=lambda g: statistics.fmean(final_losses(g)))
-    ahead = statistics.fmean(final_losses(one)) - statistics.fmean(final_losses(best))
-    if ahead < -NOISE_SIGMAS * pooled:
-        return (f"{head}, ahead of the best depth-selecting variant ({best.variant}) by {-ahead:.4f}, more than "
-                f"{NOISE_SIGMAS:g} pooled std ({NOISE_SIGMAS * pooled:.4f}). **Warning: the fewer the blocks, "
-                "the better.** The paper has one block at about a third of Full's gain; here the gain comes from "
-                "access to the embedding (or a handicapped baseline) more than from attention over depth: see "
-                "the x0 control.")
-    return (f"{head}; behind or level with the best depth-selecting variant ({best.variant}) within "
-            f"{NOISE_SIGMAS:g} pooled std ({NOISE_SIGMAS * pooled:.4f}): consistent with the paper (one block "
-            "keeps a share of AttnRes's gain: the embedding as its own source).")
+    sum: the paper measured it at about a third of Full's gain. It should gain less than the variants that
+    select among depths; gaining more says the gain here is access to the embedding (or a handicapped
+    baseline), not depth selection."""
+    over_base = paired_groups(one, base)
+    lines = [f"- {setting}: one block ({one.variant}) minus baseline: {stated(over_base)}."]
+    orders = [(one, d) for d in deep] + [(block, full) for block in deep if block.kind == "block"
+                                         for full in deep if full.kind == "full"]
+    checked = [(behind, ahead, diff) for behind, ahead in orders if (diff := paired_groups(behind, ahead))]
+    lines += [order_line(behind, ahead, diff) for behind, ahead, diff in checked]
+    if any(behind is one and diff.excludes_zero and diff.mean < 0 for behind, _, diff in checked):
+        lines.append("  - **Warning: the fewer the blocks, the better.** One block beats a variant that selects "
+                     "among depths: here the gain comes from access to the embedding (or a handicapped baseline) "
+                     "more than from attention over depth: see the x0 control.")
+    elif not deep and over_base.excludes_zero and over_base.mean < 0:
+        lines.append("  - **Warning: the sign of a mis-specified baseline, or of a gain that is access to the "
+                     "embedding.** The paper measured one block at about a third of Full's gain; add Full and "
+                     "`variant=x0` runs to tell which.")
+    return lines
 
 
 def x0_lines(setting: str, base: Group, x0: Group | None, attnres: list[Group]) -> list[str]:
@@ -87,27 +78,24 @@ def x0_lines(setting: str, base: Group, x0: Group | None, attnres: list[Group]) 
     if x0 is None:
         return [f"- {setting}: no x0 run, so embedding access and attention over depth cannot be told apart "
                 "(add a run with `variant=x0`)."] if attnres else []
-    lines = [f"- {setting}: x0 minus baseline = {paired_text(paired(x0, base))}: the gain of access to the "
+    lines = [f"- {setting}: x0 minus baseline: {stated(paired_groups(x0, base))}: the gain of access to the "
              "embedding alone."]
     for group in attnres:
-        over_x0, over_base = paired(group, x0), paired(group, base)
-        if not over_x0 or not over_base:
+        over_x0, over_base = paired_groups(group, x0), paired_groups(group, base)
+        if over_x0 is None or over_base is None:
             continue
-        gain, selection = statistics.fmean(over_base), statistics.fmean(over_x0)
-        # Paired, not pooled: the same seed gives both runs the same data and initial weights, so the
-        # seed-to-seed spread that pooled std counts cancels (Full's 3 paired gains under AdamW: -0.036 ± 0.001).
-        _, spread = mean_std(over_base)
-        if spread is not None and gain < -NOISE_SIGMAS * spread / math.sqrt(len(over_base)):
-            share = f"; the depth-selection share of its gain over the baseline is {selection / gain:.0%}"
+        if over_base.excludes_zero and over_base.mean < 0:
+            share = (f"; the depth-selection share of its gain over the baseline is "
+                     f"{over_x0.mean / over_base.mean:.0%}")
         else:
             # A share of a gain that seed noise could have made is a ratio of two noises (it once read -251%).
-            share = (f"; its gain over the baseline ({paired_text(over_base)}) is within {NOISE_SIGMAS:g} "
-                     "standard errors of its paired differences, so there is no gain to split into shares")
-        lines.append(f"  - {group.variant}: AttnRes's gain over x0 is {paired_text(over_x0)}{share}.")
+            share = (f"; its gain over the baseline ({over_base.text()}) is {over_base.label()}, so there is no "
+                     "gain to split into shares")
+        lines.append(f"  - {group.variant} minus x0: {stated(over_x0)}{share}.")
     return lines
 
 
-def one_block_lines(groups: list[Group]) -> list[str]:
+def setting_lines(groups: list[Group]) -> list[str]:
     lines = []
     for setting in dict.fromkeys(g.size for g in groups):
         here = [g for g in groups if g.size == setting and final_losses(g)]
@@ -120,11 +108,8 @@ def one_block_lines(groups: list[Group]) -> list[str]:
         if one is None:
             lines.append(f"- {setting}: no one-block run to check the baseline against (add a run with "
                          f"`variant=block variant.block_size={sublayers}`).")
-        else:
-            pooled = seed_spread(final_losses(one), final_losses(base),
-                                 [final_losses(g) for g in groups if g.model_size == base.model_size])
-            head = f"- {setting}: one block ({one.variant}) minus baseline = {paired_text(paired(one, base))}"
-            lines.append(one_block_verdict(head, one, base, deep, pooled))
+        elif paired_groups(one, base) is not None:
+            lines += one_block_lines(setting, one, base, deep)
         x0 = next((g for g in here if g.kind == "x0"), None)
         lines += x0_lines(setting, base, x0, ([one] if one else []) + deep)
     return lines
@@ -152,7 +137,7 @@ def embedding_share_lines(groups: list[Group]) -> list[str]:
 
 
 def sanity_section(groups: list[Group]) -> list[str]:
-    checks = one_block_lines(groups) or ["- No setting here has both a baseline and an AttnRes run: nothing to check."]
+    checks = setting_lines(groups) or ["- No setting here has both a baseline and an AttnRes run: nothing to check."]
     lines = ["## Sanity checks", "",
              "The paper tunes the baseline and reuses its recipe; these checks would expose a baseline "
              "handicapped by its recipe, or a gain that is access to the embedding rather than attention over "

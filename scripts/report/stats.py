@@ -1,4 +1,5 @@
-"""Numbers the report states: seed statistics, the noise verdict, power-law fits, compute multipliers."""
+"""Numbers the report states: seed statistics, paired differences with their Student-t interval and noise
+label, power-law fits, compute multipliers."""
 from __future__ import annotations
 
 import math
@@ -6,8 +7,9 @@ import statistics
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats as scipy_stats
 
-NOISE_SIGMAS = 2.0  # a difference under 2 pooled standard deviations is called seed noise
+CONFIDENCE = 0.95
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -15,29 +17,75 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def pooled_std(a: list[float], b: list[float]) -> float | None:
-    if len(a) < 2 or len(b) < 2:
+def t_interval(values) -> tuple[float, float] | None:
+    """The 95% Student-t interval of the mean (n - 1 degrees of freedom); None with fewer than two values."""
+    if len(values) < 2:
         return None
-    return pooled_std_of([a, b])
+    mean = statistics.fmean(values)
+    half = scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean - half, mean + half
 
 
-def pooled_std_of(samples: list[list[float]]) -> float | None:
-    """The std pooled over every sample with two or more values (None when there is none)."""
-    seeded = [values for values in samples if len(values) > 1]
-    if not seeded:
-        return None
-    dof = sum(len(values) - 1 for values in seeded)
-    return math.sqrt(sum((len(values) - 1) * statistics.variance(values) for values in seeded) / dof)
+@dataclass(frozen=True)
+class Paired:
+    """Per-seed differences a - b (same seed: same data order, same initial weights for shared parameters),
+    with the paired t and its 95% Student-t interval (n - 1 degrees of freedom; none with one seed).
+    Negative is a lower loss: a ahead of b."""
+    diffs: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.diffs)
+
+    @property
+    def sd(self) -> float | None:
+        return statistics.stdev(self.diffs) if self.n > 1 else None
+
+    @property
+    def t(self) -> float | None:
+        """mean / (sd / sqrt(n)); infinite when every seed gives the same non-zero difference."""
+        if self.sd is None:
+            return None
+        if self.sd == 0:
+            return math.copysign(math.inf, self.mean) if self.mean else 0.0
+        return self.mean / (self.sd / math.sqrt(self.n))
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        return t_interval(self.diffs)
+
+    @property
+    def excludes_zero(self) -> bool:
+        low, high = self.interval or (0.0, 0.0)
+        return low > 0 or high < 0
+
+    def label(self) -> str:
+        """The noise label, in words, from the interval: which side is ahead (lower loss), and on how many seeds."""
+        if self.n == 1:
+            return "n=1: no interval"
+        if not self.excludes_zero:
+            return f"not separable from 0 with n={self.n}"
+        side = "ahead" if self.mean < 0 else "behind"
+        agreeing = sum(1 for d in self.diffs if (d < 0) == (self.mean < 0) and d != 0)
+        seeds = "on every seed" if agreeing == self.n else f"on average ({agreeing} of {self.n} seeds)"
+        return f"{side} {seeds}, interval excludes 0"
+
+    def text(self) -> str:
+        """'-0.0360 ± 0.0014 (n=3, t=-45.0, 95% CI [-0.0395, -0.0325])'; one seed: '+0.0120 (n=1)'."""
+        if self.n == 1:
+            return f"{self.mean:+.4f} (n=1)"
+        low, high = self.interval
+        return f"{self.mean:+.4f} ± {self.sd:.4f} (n={self.n}, t={self.t:+.1f}, 95% CI [{low:+.4f}, {high:+.4f}])"
 
 
-def noise_verdict(values: list[float], baseline: list[float]) -> str:
-    """Whether the mean difference to the baseline is distinguishable from seed-to-seed spread."""
-    pooled = pooled_std(values, baseline)
-    if pooled is None:
-        return "single seed, no noise estimate"
-    diff = statistics.fmean(values) - statistics.fmean(baseline)
-    inside = abs(diff) < NOISE_SIGMAS * pooled
-    return f"{'inside' if inside else 'outside'} seed noise (2 x pooled std = {NOISE_SIGMAS * pooled:.4f})"
+def paired(a: dict[int, float], b: dict[int, float]) -> Paired | None:
+    """a minus b over the seeds both have (seed -> value); None when they share no seed."""
+    seeds = sorted(a.keys() & b.keys())
+    return Paired(tuple(a[seed] - b[seed] for seed in seeds)) if seeds else None
 
 
 @dataclass

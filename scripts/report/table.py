@@ -1,12 +1,19 @@
-"""The results table: final validation loss per (size, variant) against the baseline of the same size."""
+"""The results table: final validation loss per (setting, variant) and its paired difference to the baseline
+of the same setting; and the baselines of settings that differ only in their recipe, paired against the first."""
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
 
 from scripts.report.runs import Group
-from scripts.report.stats import mean_std, noise_verdict
+from scripts.report.stats import Paired, mean_std, paired
 from scripts.report.sweeps import final_losses
+
+PAIRED_NOTE = ("Paired: this row minus the reference at the same seed (same data order, same initial weights for "
+               "the parameters both have), over the seeds both finished; mean ± sd of those differences, n, "
+               "t = mean / (sd / sqrt(n)) and its 95% Student-t interval (n - 1 degrees of freedom: with n=2 the "
+               "interval is 12.7 standard errors wide each side, so only a difference that both seeds agree on "
+               "closely excludes 0). Negative: a lower loss than the reference.")
 
 
 @dataclass
@@ -14,8 +21,7 @@ class Row:
     group: Group
     loss: float | None
     loss_std: float | None
-    diff: float | None          # mean loss minus the baseline's (same size)
-    verdict: str
+    vs_baseline: Paired | None  # this group's final loss minus its setting's baseline, seed by seed
     tokens: float
     flops: float
     step_time: float | None
@@ -24,6 +30,11 @@ class Row:
 
 def baseline_of(group: Group, groups: list[Group]) -> Group | None:
     return next((g for g in groups if g.size == group.size and g.variant == "baseline"), None)
+
+
+def paired_groups(a: Group, b: Group) -> Paired | None:
+    """a's final loss minus b's, over the seeds both finished."""
+    return paired(a.final_by_seed, b.final_by_seed)
 
 
 def _step_time(group: Group) -> float | None:
@@ -37,13 +48,9 @@ def build_rows(groups: list[Group]) -> list[Row]:
         losses = final_losses(group)
         loss, std = mean_std(losses) if losses else (None, None)
         base = baseline_of(group, groups)
-        base_losses = final_losses(base) if base is not None else []
-        diff, verdict = None, ""
-        if losses and base_losses and base is not group:
-            diff = loss - statistics.fmean(base_losses)
-            verdict = noise_verdict(losses, base_losses)
+        vs_baseline = paired_groups(group, base) if base is not None and base is not group else None
         step_time, base_time = _step_time(group), _step_time(base) if base is not None else None
-        rows.append(Row(group, loss, std, diff, verdict,
+        rows.append(Row(group, loss, std, vs_baseline,
                         tokens=statistics.fmean(run.tokens for run in group.runs),
                         flops=statistics.fmean(run.tokens * run.flops_per_token for run in group.runs),
                         step_time=step_time,
@@ -55,17 +62,47 @@ def _fmt(value: float | None, spec: str, empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
 
+def paired_cells(diff: Paired | None) -> str:
+    """'mean ± sd | n | t | 95% interval | noise label' cells ('-' where there is nothing to state)."""
+    if diff is None:
+        return "- | - | - | - | -"
+    if diff.n == 1:
+        return f"{diff.mean:+.4f} | 1 | - | - | {diff.label()}"
+    low, high = diff.interval
+    return (f"{diff.mean:+.4f} ± {diff.sd:.4f} | {diff.n} | {diff.t:+.1f} | [{low:+.4f}, {high:+.4f}] "
+            f"| {diff.label()}")
+
+
+PAIRED_HEADER = "paired diff (mean ± sd) | n | t | 95% interval | noise"
+
+
 def to_markdown(rows: list[Row]) -> str:
-    lines = ["| size | variant | seeds | final val loss | diff to baseline | noise | tokens | FLOPs | s/step "
-             "| step time / baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| setting | variant | seeds | final val loss (mean ± sd) | vs baseline: {PAIRED_HEADER} | tokens "
+             "| FLOPs | s/step | step time / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         unfinished = [r for r in row.group.runs if not r.finished]
         seeds = ",".join(str(r.seed) for r in row.group.runs)
         loss = _fmt(row.loss, ".4f") + (f" ± {row.loss_std:.4f}" if row.loss_std is not None else "")
         if unfinished:
             loss += f" (unfinished: {', '.join(f'{r.name} at {r.steps}/{r.config.train.steps}' for r in unfinished)})"
-        lines.append(f"| {row.group.size} | {row.group.variant} | {seeds} | {loss} | {_fmt(row.diff, '+.4f')} "
-                     f"| {row.verdict or '-'} | {row.tokens:,.0f} | {row.flops:.3g} | {_fmt(row.step_time, '.3f')} "
+        lines.append(f"| {row.group.size} | {row.group.variant} | {seeds} | {loss} | {paired_cells(row.vs_baseline)} "
+                     f"| {row.tokens:,.0f} | {row.flops:.3g} | {_fmt(row.step_time, '.3f')} "
                      f"| {_fmt(row.step_ratio, '.2f')} |")
     return "\n".join(lines)
+
+
+def recipe_lines(groups: list[Group]) -> list[str]:
+    """Settings of one model size that differ only in their recipe (optimizer, learning rate, ...): each
+    baseline minus the first setting's baseline, paired by seed. Empty when no model size has two."""
+    baselines = [g for g in groups if g.kind == "baseline" and g.final_by_seed]
+    lines = []
+    for model_size in dict.fromkeys(g.model_size for g in baselines):
+        reference, *others = [g for g in baselines if g.model_size == model_size]
+        lines += [f"| {g.size} | {reference.size} | {paired_cells(paired_groups(g, reference))} |"
+                  for g in others]
+    if not lines:
+        return []
+    return ["## Baselines across recipes", "",
+            "Each setting's baseline minus the first baseline of the same model size (paired by seed):", "",
+            f"| setting | reference | {PAIRED_HEADER} |", "|---|---|---|---|---|---|---|", *lines, ""]

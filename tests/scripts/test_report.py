@@ -12,7 +12,7 @@ from parallel.dims import init_distributed
 import scripts.compare as compare
 from scripts.report import build_report
 from scripts.report.runs import Run
-from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law, noise_verdict
+from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
 from scripts.report.sweeps import parabola_minimum
 from trainer.config import load_config
 from trainer.trainer import Trainer
@@ -60,7 +60,7 @@ def test_report_holds_every_figure_and_the_runs_numbers(tmp_path, tiny_runs):
         assert f"{final_val_loss(run_dir):.4f}" in text
     diff = final_val_loss(tiny_runs["block"]) - final_val_loss(tiny_runs["baseline"])
     assert f"{diff:+.4f}" in text
-    assert "single seed, no noise estimate" in text
+    assert "n=1: no interval" in text
     assert "| xs | block S=2 |" in text and "pre-attention" in text
     baseline_imbalance = [json.loads(line).get("moe_load_imbalance")
                           for line in (tiny_runs["baseline"] / "metrics.jsonl").read_text().splitlines()]
@@ -93,12 +93,6 @@ def test_power_law_fit_recovers_a_known_law():
     assert fit.A == pytest.approx(40.0, rel=1e-9) and fit.alpha == pytest.approx(0.07, rel=1e-9)
     # A variant that reaches at C the baseline's loss at 1.25 C has a 1.25x compute multiplier.
     assert compute_multiplier(law, law.loss(1.25e17), 1e17) == pytest.approx(1.25, rel=1e-9)
-
-
-def test_noise_verdict_uses_pooled_seed_spread():
-    assert noise_verdict([2.0], [2.1]) == "single seed, no noise estimate"
-    assert noise_verdict([2.00, 2.02, 2.04], [2.01, 2.03, 2.05]).startswith("inside seed noise")
-    assert noise_verdict([1.90, 1.91, 1.92], [2.01, 2.02, 2.03]).startswith("outside seed noise")
 
 
 def test_report_draws_the_lr_sweep_with_each_variants_best(tmp_path, tiny_runs):
@@ -162,7 +156,8 @@ def seeded_copies(tiny_runs, tmp_path, one_block_scale: float) -> list:
 def test_sanity_panel_flags_a_one_block_run_that_beats_the_baseline(tmp_path, tiny_runs):
     text = build_report(seeded_copies(tiny_runs, tmp_path, 0.9), tmp_path / "report", "bad").read_text()
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
-    assert "xs: one block (block S=8) minus baseline = -0." in panel and "(paired, 2 seeds)" in panel
+    assert "xs: one block (block S=8) minus baseline: -0." in panel and "(n=2, t=" in panel
+    assert "ahead on every seed, interval excludes 0." in panel
     assert "**Warning: the sign of a mis-specified baseline, or of a gain that is access to the embedding.**" in panel
     assert "| read | xs block S=8 |" in panel and "| final |" in panel
 
@@ -170,7 +165,7 @@ def test_sanity_panel_flags_a_one_block_run_that_beats_the_baseline(tmp_path, ti
 def test_sanity_panel_passes_a_one_block_run_level_with_the_baseline(tmp_path, tiny_runs):
     text = build_report(seeded_copies(tiny_runs, tmp_path, 1.001), tmp_path / "report", "good").read_text()
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
-    assert "within 2 pooled std" in panel and "Warning" not in panel
+    assert "behind on every seed, interval excludes 0." in panel and "Warning" not in panel
 
 
 def seed_scale(scale: float | tuple[float, float], seed: int) -> float:
@@ -202,34 +197,40 @@ def sanity_panel(runs, tmp_path) -> str:
 
 def test_sanity_panel_warns_when_one_block_beats_the_depth_selecting_variants(tmp_path, tiny_runs):
     panel = sanity_panel(with_controls(tiny_runs, tmp_path, {"one-block": 0.9, "block": 0.97, "x0": 0.95}), tmp_path)
-    assert "ahead of the best depth-selecting variant (block S=2)" in panel
+    line = next(line for line in panel.splitlines() if line.startswith("  - block S=8 minus block S=2: "))
+    assert line.endswith("ahead on every seed, interval excludes 0: **the reverse of the paper's order** (the paper: "
+                         "Full 1.737 < Block 1.746 < one block (about a third of Full's gain) < baseline 1.766).")
     assert "**Warning: the fewer the blocks, the better.**" in panel
 
 
 def test_sanity_panel_states_each_variants_gain_over_x0_and_its_depth_selection_share(tmp_path, tiny_runs):
     runs = with_controls(tiny_runs, tmp_path, {"one-block": 0.98, "block": 0.9, "x0": 0.96})
     panel = sanity_panel(runs, tmp_path)
-    assert "Warning" not in panel and "consistent with the paper" in panel
+    assert "Warning" not in panel and "  - block S=8 minus block S=2: +0." in panel and "the paper's order." in panel
     base = final_val_loss(tiny_runs["baseline"])
-    # Seed 1 scales every loss by 1.004, so the paired differences are d and 1.004 d.
+    # Seed 1 scales every loss by 1.004, so the paired differences are d and 1.004 d: mean 1.002 d, sd
+    # 0.004 |d| / sqrt(2), t = mean / (sd / sqrt(2)), and the 95% interval is mean ± tan(0.475 pi) sd / sqrt(2)
+    # (Student's t with one degree of freedom is the Cauchy distribution).
     for name, scale in (("x0", 0.96), ("block", 0.9)):
         d = (scale - 1) * base if name == "x0" else (scale - 0.96) * base
-        expected = f"{(d + 1.004 * d) / 2:+.4f} ± {abs(0.004 * d) / 2 ** 0.5:.4f} (paired, 2 seeds)"
+        mean, sd = (d + 1.004 * d) / 2, abs(0.004 * d) / 2 ** 0.5
+        half = math.tan(0.475 * math.pi) * sd / 2 ** 0.5
+        expected = (f"{mean:+.4f} ± {sd:.4f} (n=2, t={mean / (sd / 2 ** 0.5):+.1f}, 95% CI [{mean - half:+.4f}, "
+                    f"{mean + half:+.4f}]): ahead on every seed, interval excludes 0")
         assert expected in panel, (name, expected)
-    assert "x0 minus baseline = " in panel and "the gain of access to the embedding alone" in panel
+    assert "x0 minus baseline: " in panel and "the gain of access to the embedding alone" in panel
     # block's gain over the baseline is 0.10 base, 0.06 base of it over x0: 60% needs depth selection.
-    assert "- block S=2: AttnRes's gain over x0 is" in panel and "depth-selection share of its gain over the " \
-           "baseline is 60%" in panel
+    assert "  - block S=2 minus x0: " in panel and "depth-selection share of its gain over the baseline is 60%" in panel
 
 
 def test_sanity_panel_gives_no_share_of_a_gain_inside_seed_noise(tmp_path, tiny_runs):
-    """Block 0.4% under the baseline at seed 0 and about 0.2% over it at seed 1: a mean gain of -0.1% within 2
-    standard errors of its paired differences is noise, and a share of it (a ratio of two noises) would
-    read as anything from -250% to +250%."""
+    """Block 0.4% under the baseline at seed 0 and about 0.2% over it at seed 1: a mean gain of -0.1% that its
+    interval cannot separate from 0 is noise, and a share of it (a ratio of two noises) would read as
+    anything from -250% to +250%."""
     panel = sanity_panel(with_controls(tiny_runs, tmp_path, {"one-block": 0.98, "block": (0.996, 1.002),
                                                              "x0": 1.001}), tmp_path)
-    line = next(line for line in panel.splitlines() if line.startswith("  - block S=2: AttnRes's gain over x0"))
-    assert "is within 2 standard errors of its paired differences, so there is no gain to split" in line, line
+    line = next(line for line in panel.splitlines() if line.startswith("  - block S=2 minus x0: "))
+    assert "is not separable from 0 with n=2, so there is no gain to split into shares" in line, line
     assert "depth-selection share" not in line
 
 
@@ -245,9 +246,10 @@ def test_sanity_panel_asks_for_a_one_block_run_when_there_is_none(tmp_path, tiny
            "`variant=block variant.block_size=8`)" in text
 
 
-def test_sanity_panel_borrows_the_seed_spread_of_its_size_for_a_single_seed_control(tmp_path, tiny_runs):
-    """A one-seed old-recipe control is judged against the seed spread of the seeded groups of its size."""
-    runs = seeded_copies(tiny_runs, tmp_path, 1.0)
+def test_sanity_panel_gives_a_single_seed_control_no_interval_and_no_warning(tmp_path, tiny_runs):
+    """A one-seed old-recipe control 20% below its baseline has one paired difference: no interval, so no
+    verdict (the seed spread of other groups says nothing about this pair's)."""
+    runs = seeded_copies(tiny_runs, tmp_path, 1.001)
     for name, scale in (("baseline", 1.0), ("block", 0.8)):
         config = {"model.init": "flat"} | ({"model.residual.block_size": 8} if name == "block" else {})
         runs.append(edited_copy(tiny_runs[name], tmp_path / f"flat-{name}-s0", config, loss_scale=scale))
@@ -255,7 +257,8 @@ def test_sanity_panel_borrows_the_seed_spread_of_its_size_for_a_single_seed_cont
     panel = text.split("## Sanity checks")[1].split("## Loss curves")[0]
     flat_line = next(line for line in panel.splitlines() if line.startswith("- xs init=flat:"))
     scaled_line = next(line for line in panel.splitlines() if line.startswith("- xs init=scaled:"))
-    assert "Warning" in flat_line and "within 2 pooled std" in scaled_line
+    assert flat_line.endswith("(n=1): n=1: no interval.") and "Warning" not in panel
+    assert scaled_line.endswith("behind on every seed, interval excludes 0.")
 
 
 def test_parabola_minimum_finds_the_optimum_between_two_tied_points():
@@ -362,6 +365,7 @@ def test_downstream_values_are_stderr_for_one_seed_and_seed_spread_for_several()
     assert value_text({0: (0.65, 0.1094)}) == "0.6500 ± 0.1094 (stderr)"
     assert value_text({0: (0.6, None), 1: (0.7, None), 2: (0.8, None)}) == "0.7000 ± 0.1000 (3 seeds)"
     # paired over the seeds both have: seed 2 has no baseline here
+    # differences 0.1 and 0.3: sd 0.1414, standard error 0.1, t = 2, interval 0.2 ± tan(0.475 pi) 0.1
     assert diff_text({0: (0.6, None), 1: (0.9, None), 2: (0.5, None)}, {0: (0.5, None), 1: (0.6, None)}) == (
-        "+0.2000 ± 0.1414 (paired, 2 seeds)")
+        "+0.2000 ± 0.1414 (n=2, t=+2.0, 95% CI [-1.0706, +1.4706])")
     assert diff_text({2: (0.5, None)}, {0: (0.5, None)}) == "-"
