@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator, NamedTuple
 
-from trainer.data.format import DataError, DataPreparationError, default_cache_dir, sha256_file
+from trainer.data.format import DataError, DataPreparationError, default_cache_dir, one_line, sha256_file
 from trainer.data.progress import log
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -93,12 +93,6 @@ class InputError(DataError):
     @property
     def reason_with_line(self) -> str:
         return f"line {self.line}: {self.reason}" if self.line is not None else self.reason
-
-
-def one_line(error: BaseException) -> str:
-    """An exception's message fit for a one-line error: its first line, or its type when it has none."""
-    lines = str(error).splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def input_suffix(path: str | Path) -> str | None:

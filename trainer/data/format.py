@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from tokenizers import Tokenizer
+
+from trainer.data.sequence_index import SequenceIndexError, read_sequence_index
 
 EOT_TOKEN = "<|endoftext|>"
 MANIFEST_NAME = "manifest.json"
@@ -49,6 +52,12 @@ class DataPreparationError(DataError):
 
 class DatasetCorruptError(DataError):
     """A prepared dataset does not match its manifest; the message names the file."""
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message fit for a one-line error: its first line, or its type when it has none."""
+    lines = str(error).splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def default_cache_dir() -> Path:
@@ -198,12 +207,14 @@ def verify_dataset(dataset_dir: Path, check_checksums: bool = True) -> dict:
         if actual != expected:
             raise DatasetCorruptError(f"{path}: size {actual} bytes, manifest says {expected}; "
                                       f"delete {dataset_dir} to rebuild it")
+    check_index_counts(dataset_dir / IDX_NAME, manifest)
     if not check_checksums:
         return manifest
     for name in (TOKENIZER_NAME, IDX_NAME):
         path = dataset_dir / name
         if not path.is_file() or sha256_file(path) != manifest["sha256"][name]:
             raise _checksum_mismatch(path)
+    check_tokenizer_agrees(dataset_dir / TOKENIZER_NAME, manifest)
     tokens = dataset_dir / BIN_NAME
     checksum, outside = scan_tokens(tokens, dtype, manifest["vocab_size"])
     if checksum != manifest["sha256"][BIN_NAME]:
@@ -212,6 +223,41 @@ def verify_dataset(dataset_dir: Path, check_checksums: bool = True) -> dict:
         raise DatasetCorruptError(f"{tokens}: token {outside[0]} is id {outside[1]}, not in [0, vocab_size="
                                   f"{manifest['vocab_size']}) of {MANIFEST_NAME}; delete {dataset_dir} to rebuild it")
     return manifest
+
+
+def check_index_counts(idx_path: Path, manifest: dict) -> None:
+    """tokens.idx consistent in itself, with tokens.bin and with the manifest's counts (a resealed manifest
+    passes its checksums, so these numbers are checked, not trusted)."""
+    try:
+        index = read_sequence_index(idx_path, manifest["tokens"] * np.dtype(manifest["dtype"]).itemsize)
+    except SequenceIndexError as error:
+        raise DatasetCorruptError(f"{idx_path}: {error}; delete {idx_path.parent} to rebuild it") from None
+    found = {"dtype": index.dtype, "sequences": index.sequences, "documents": index.documents}
+    recorded = {key: manifest[key] for key in found}
+    if found != recorded:
+        raise DatasetCorruptError(f"{idx_path}: holds {found}, {MANIFEST_NAME} says {recorded}; "
+                                  f"delete {idx_path.parent} to rebuild it")
+
+
+def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
+    """One past the largest id: the embedding rows the ids need, even if the vocab has holes."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def check_tokenizer_agrees(path: Path, manifest: dict) -> None:
+    """The manifest's end-of-text id and vocab size are the tokenizer's: the id is what document masking looks
+    for, and every token id (checked below vocab_size) must then be one the tokenizer has."""
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exceptions for files it cannot parse
+        raise DatasetCorruptError(f"{path}: not a tokenizers tokenizer.json ({one_line(error)}); "
+                                  f"delete {path.parent} to rebuild it") from None
+    found = {"eot_token": EOT_TOKEN, "eot_id": tokenizer.token_to_id(EOT_TOKEN),
+             "vocab_size": tokenizer_vocab_size(tokenizer)}
+    recorded = {key: manifest[key] for key in found}
+    if found != recorded:
+        raise DatasetCorruptError(f"{path.parent / MANIFEST_NAME}: says {recorded}, its {TOKENIZER_NAME} has "
+                                  f"{found}; delete {path.parent} to rebuild it")
 
 
 def _checksum_mismatch(path: Path) -> DatasetCorruptError:

@@ -43,6 +43,7 @@ from trainer.data.format import (
     sha256_file,
     token_dtype,
     tokenizer_identity,
+    tokenizer_vocab_size,
     verify_dataset,
 )
 from trainer.data.progress import log
@@ -151,11 +152,6 @@ def tokenizer_choice(tokenizer: str | Path | None, vocab_size: int | None) -> Tr
     if tokenizer is not None:
         return GivenTokenizer(tokenizer, vocab_size)
     return TrainedBPE(vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE)
-
-
-def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
-    """One past the largest id: the embedding rows the ids need, even if the vocab has holes."""
-    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def bpe_pre_tokenizer() -> pre_tokenizers.PreTokenizer:

@@ -29,6 +29,7 @@ from trainer.data.prepare import (
     prepare_cached_text_corpus,
     prepare_default_corpus,
 )
+from trainer.data.sequence_index import SequenceIndexError, read_sequence_index
 
 VALID_DATA_PATHS = (
     "a prepared dataset directory (with manifest.json), a directory or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/"
@@ -69,12 +70,22 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
         if tokenizer is not None:
             raise DataError(f"data.tokenizer={tokenizer}: {prefix} is a Megatron dataset, tokenised already; "
                             "unset data.tokenizer")
+        check_megatron_index(prefix)
         return prefix
     if candidate.is_dir() or (candidate.is_file() and is_text_input(candidate)) or any(c in path for c in "*?["):
         return prepare_cached_text_corpus(path, cache_dir, vocab_size, tokenizer, options)
     if not candidate.exists():
         raise FileNotFoundError(f"data path {path}: no such file or directory; expected {VALID_DATA_PATHS}")
     raise DataError(f"data path {path}: not a usable dataset; expected {VALID_DATA_PATHS}")
+
+
+def check_megatron_index(prefix: Path) -> None:
+    """A Megatron prefix records no checksums, but its .idx must still describe its .bin."""
+    idx = Path(f"{prefix}.idx")
+    try:
+        read_sequence_index(idx, Path(f"{prefix}.bin").stat().st_size)
+    except SequenceIndexError as error:
+        raise DataError(f"{idx}: {error}; it does not index {prefix}.bin, build the prefix again") from None
 
 
 def check_prepared_with(dataset_dir: Path, tokenizer: GivenTokenizer) -> None:
