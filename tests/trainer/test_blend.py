@@ -3,6 +3,7 @@ source, the split, the pass-based order, the sampler's state, Megatron's own pre
 one-line errors. No network."""
 import json
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -220,6 +221,31 @@ def test_a_bad_blend_is_one_line_naming_it(blend, path, message):
     with pytest.raises(DataError) as error:
         parse_blend(blend, path)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_extreme_weights_and_a_split_of_infinite_shares_are_one_line():
+    with pytest.raises(DataError) as error:
+        parse_blend([1e-300, "a", 1e300, "b"], None)
+    assert str(error.value) == "data.blend: weight 1e-300 (for a) is 0 of the total 1e+300 once normalised; give " \
+                               "weights nearer each other"
+    with pytest.raises(DataError, match=r"^data.blend: the weights sum to inf; data.blend must be .* of finite sum$"):
+        parse_blend([1e308, "a", 1e308, "b"], None)
+    nines = "9" * 400
+    with pytest.raises(DataError, match=f"^data.split={nines},1,0 must be three numbers"):
+        check_split(f"{nines},1,0")
+
+
+def test_the_same_data_named_twice_in_a_blend_is_refused(tiny_dataset, tmp_path):
+    """Named twice, megatron-core drew it as two sources with their own shuffles: the first 20 samples held
+    10 distinct ones. Spelled the same, with a trailing /, through a link, or as a copy of the same data."""
+    link = tmp_path / "link"
+    link.symlink_to(tiny_dataset)
+    copy = shutil.copytree(tiny_dataset, tmp_path / "copy")
+    for second in (str(tiny_dataset), f"{tiny_dataset}/", str(link), str(copy)):
+        with pytest.raises(DataError) as error:
+            resolve_blend([0.5, str(tiny_dataset), 1.5, second], None, tmp_path / "cache", 512, None)
+        assert str(error.value) == (f"data.blend names the same data twice, as {tiny_dataset} and {second} "
+                                    f"({Path(second) / 'tokens'}); give it once, with its weights summed (2)")
 
 
 def test_blend_entries_as_weight_path_mappings_and_the_split_rules():

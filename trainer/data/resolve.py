@@ -128,6 +128,14 @@ def parse_blend(blend, path: str | None) -> list[BlendEntry]:
             raise DataError(f"data.blend: path {source!r} (weight {weight}) must be a non-empty string; "
                             f"data.blend must be {VALID_BLEND}")
         entries.append(BlendEntry(float(weight), source))
+    # megatron-core blends by weight / total, which must be a positive number for every source.
+    total = sum(entry.weight for entry in entries)
+    if not math.isfinite(total):
+        raise DataError(f"data.blend: the weights sum to {total}; data.blend must be {VALID_BLEND} of finite sum")
+    for entry in entries:
+        if entry.weight / total == 0:
+            raise DataError(f"data.blend: weight {entry.weight:g} (for {entry.path}) is 0 of the total {total:g} "
+                            "once normalised; give weights nearer each other")
     return entries
 
 
@@ -137,6 +145,19 @@ class Source:
     prefix: Path               # its Megatron prefix
     weight: float
     manifest: dict | None      # a prepared dataset's manifest; None for a Megatron prefix prepared elsewhere
+
+
+def check_not_repeated(source: Source, earlier: list[Source]) -> None:
+    """A source named twice (spelled the same, with a trailing /, through a link, or a copy of the same
+    prepared data) would be drawn as two sources, each with its own shuffle of the same samples; refused
+    rather than merged, so the blend's weights are always the ones written."""
+    content = source.manifest["sha256"] if source.manifest is not None else None
+    for other in earlier:
+        same_content = content is not None and other.manifest is not None and other.manifest["sha256"] == content
+        if same_content or Path(other.prefix).resolve() == Path(source.prefix).resolve():
+            raise DataError(f"data.blend names the same data twice, as {other.given} and {source.given} "
+                            f"({source.prefix}); give it once, with its weights summed "
+                            f"({other.weight + source.weight:g})")
 
 
 @dataclass(frozen=True)
@@ -161,7 +182,9 @@ def resolve_blend(blend, path: str | None, cache_dir: str | Path | None, vocab_s
             shared = str(resolved / TOKENIZER_NAME)  # the later sources are tokenised by this one's tokenizer
         given = entry.path if entry.path is not None else "shakespeare"
         prefix = dataset_prefix(resolved) if manifest is not None else resolved
-        sources.append(Source(given, prefix, entry.weight, manifest))
+        source = Source(given, prefix, entry.weight, manifest)
+        check_not_repeated(source, sources)
+        sources.append(source)
     manifests = [source.manifest for source in sources if source.manifest is not None]
     foreign = [source.given for source in sources if source.manifest is None]
     if foreign and manifests and tokenizer is None:

@@ -13,6 +13,7 @@ megatron-core is imported when data is first opened: its package import takes se
 """
 from __future__ import annotations
 
+import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +42,7 @@ def check_split(split: str) -> list[float]:
         shares = [float(x) for x in parts.groups(default="0")] if parts else None
     except ValueError:
         shares = None
-    if shares is None or sum(shares) <= 0:
+    if shares is None or not math.isfinite(sum(shares)) or sum(shares) <= 0:
         raise DataError(f"data.split={split} must be {VALID_SPLIT}")
     if shares[0] <= 0 or shares[1] <= 0:
         raise DataError(f"data.split={split} must give train and valid a positive share; it must be {VALID_SPLIT}")
