@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed() -> DistInfo:
-    """Join the torchrun job if there is one: NCCL on CUDA devices, gloo on CPU."""
+def init_distributed(init_timeout_s: float | None = None) -> DistInfo:
+    """Join the torchrun job if there is one: NCCL on CUDA devices, gloo on CPU. `init_timeout_s`: the
+    process group's timeout until set_collective_timeout (None: torch's default)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -36,7 +38,8 @@ def init_distributed() -> DistInfo:
     if world_size == 1:
         return DistInfo(0, 1, 0, device, None)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        timeout = None if init_timeout_s is None else timedelta(seconds=init_timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout)
     return DistInfo(dist.get_rank(), world_size, local_rank, device, backend)
 
 
@@ -50,6 +53,18 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this rank (the default one, the mesh's, the checkpoint writer's) times out a
+    collective after `seconds`: a rank that never arrives ends the job with a timeout error instead of
+    hanging it. The trainer sets it after the first step, which may take longer (compilation, lazy init).
+    torch has no public setter; torchtitan calls this one the same way."""
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def barrier() -> None:

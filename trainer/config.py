@@ -57,6 +57,7 @@ class TrainConfig:
     peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)
     trainable: str = "all"            # all | residual (depth reads only) | norms (RMSNorm gains only); trainer/retrofit.py
     unfreeze_after: int | None = None  # every parameter trains after this many steps; null: never
+    hang_after_s: float | None = None  # a step running longer dumps every thread's stack (trainer/hang.py); null: 10x the median step, >= 300 s
 
 
 @dataclass
@@ -105,6 +106,8 @@ class ParallelConfig:
     tp: int = 1                       # tensor + sequence parallel ranks (heads, MLP channels, sequence)
     ep: int = 1                       # expert-parallel ranks, carved out of dp: routed experts split ep ways
     cp: int = 1                       # context-parallel ranks: each holds a contiguous slice of every sequence
+    init_timeout_s: float = 600.0     # the process group's timeout from its start through the first step
+    collective_timeout_s: float = 1800.0  # every group's timeout after the first step: a collective waiting longer fails
 
 
 @dataclass
@@ -118,6 +121,9 @@ class DebugConfig:
     crash_at_step: int | None = None                              # the process dies once at this step
     nan_loss_steps: list[int] = field(default_factory=list)      # these steps get a NaN loss
     profile_steps: list[int] | None = None                        # [a, b]: a torch.profiler trace of steps a..b
+    sleep_at_step: int | None = None                              # rank debug.sleep_rank sleeps inside this step
+    sleep_s: float = 0.0                                          # for this long (a planted hang)
+    sleep_rank: int = 0
 
 
 @dataclass
@@ -187,6 +193,10 @@ RANGES = (
     (("model.init_std", "model.norm_eps", "model.moe.routed_scaling_factor", "optim.lr", "optim.eps",
       "optim.muon_lr"),
      lambda v: 0 < v < math.inf, "must be a positive finite number"),
+    (("parallel.init_timeout_s", "parallel.collective_timeout_s"),
+     lambda v: 0 < v < math.inf, "must be a positive finite number of seconds"),
+    (("debug.sleep_s",),
+     lambda v: 0 <= v < math.inf, "must be a finite number of seconds >= 0"),
     (("model.n_dense_layers", "model.mla.qk_rope_head_dim", "model.moe.n_shared_experts",
       "train.warmup_steps", "seed"),
      lambda v: v >= 0, "must be >= 0"),
@@ -312,6 +322,8 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}")
     if t.stop_after is not None and t.stop_after < 1:
         raise ConfigError(f"train.stop_after={t.stop_after} must be a positive number of steps or null")
+    if t.hang_after_s is not None and not 0 < t.hang_after_s < math.inf:
+        raise ConfigError(f"train.hang_after_s={t.hang_after_s} must be a positive finite number of seconds or null")
     p = cfg.parallel
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")

@@ -24,7 +24,7 @@ def main(raw: DictConfig) -> None:
         cfg = to_typed(raw)
     except ConfigError as error:
         fail(str(error))
-    info = init_distributed()
+    info = init_distributed(cfg.parallel.init_timeout_s)
     try:
         Trainer(cfg, info).fit()
     except KNOWN_ERRORS as error:

@@ -21,7 +21,7 @@ from model import build_model
 from model.flops import training_flops_per_token
 from model.params import count_parameters
 from parallel.compile import apply_compile
-from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision
+from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision, set_collective_timeout
 from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
 from trainer.async_checkpoint import CheckpointSaver
 from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
@@ -32,6 +32,7 @@ from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops
+from trainer.hang import HangWatchdog
 from trainer.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
 from trainer import retrofit
 from trainer.safe_io import write_file
@@ -360,9 +361,12 @@ class Trainer:
         record: dict = {}
         steps_this_launch = 0
         profiler = StepProfiler(cfg.debug.profile_steps, self.run_dir / "profile", self.info.rank, self.info.device)
+        report = log.print if self.info.is_main else lambda line: sys.stderr.write(line + "\n")
+        watchdog = HangWatchdog(self.run_dir / "hang", self.info.rank, train.hang_after_s, report)
         try:
             while self.step < train.steps:
                 self._maybe_crash()
+                watchdog.start(self.step + 1)
                 self._unfreeze_if_due(log)
                 profiler.before_step(self.step + 1)
                 record = self.train_step()
@@ -371,6 +375,8 @@ class Trainer:
                     log.print(f"profile trace {trace}")
                 self._clear_crash_marker()
                 steps_this_launch += 1
+                if steps_this_launch == 1:  # past compilation and lazy initialisation
+                    set_collective_timeout(cfg.parallel.collective_timeout_s)
                 if not comm_logged:
                     self._log_comm_volume(log)
                     comm_logged = True
@@ -391,6 +397,7 @@ class Trainer:
                         or self.step == self.pre_decay_step):
                     path = self.save()
                     log.print(f"checkpoint {path}" + (" writing in the background" if self.saver.in_flight else ""))
+                watchdog.finish()
                 if stopping:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
@@ -398,6 +405,7 @@ class Trainer:
             if published is not None:
                 log.print(f"checkpoint {published} written")
         finally:
+            watchdog.close()
             trace = profiler.close()  # a launch stopped inside the range keeps the steps it profiled
             if trace is not None:
                 log.print(f"profile trace {trace}")
@@ -434,6 +442,12 @@ class Trainer:
             marker.touch()
             os._exit(13)
 
+    def _maybe_sleep(self) -> None:
+        """debug.sleep_at_step: rank debug.sleep_rank sleeps debug.sleep_s seconds inside that step (a planted hang)."""
+        debug = self.cfg.debug
+        if debug.sleep_at_step == self.step + 1 and self.info.rank == debug.sleep_rank:
+            time.sleep(debug.sleep_s)
+
     def _clear_crash_marker(self) -> None:
         """Once past debug.crash_at_step the marker has done its job; the run directory keeps no trace of it."""
         at = self.cfg.debug.crash_at_step
@@ -458,6 +472,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, train = self.cfg, self.cfg.train
         start = time.perf_counter()
+        self._maybe_sleep()
         samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.data_ranks)
         # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
         # Diagnostics need the whole model and whole sequences on one rank (cp's first slice is not typical).

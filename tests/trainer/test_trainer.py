@@ -128,20 +128,47 @@ def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
         train(fast_train_overrides(run, tiny_dataset, steps=6, resume="never"))
 
 
-def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset):
-    single, ddp, ddp_resumed = tmp_path / "single", tmp_path / "ddp", tmp_path / "ddp_resumed"
-    train(fast_train_overrides(single, tiny_dataset, steps=6))
-    # One launch: the resumed run continues from its checkpoint in processes whose RNGs have moved on since.
+PLANTED_HANG = {"train.steps": 2, "train.hang_after_s": 1.5, "debug.sleep_at_step": 2, "debug.sleep_s": 3,
+                "debug.sleep_rank": 1}
+
+
+@pytest.fixture(scope="module")
+def ddp_launch(tmp_path_factory, tiny_dataset):
+    """One 2-rank launch for the DDP tests: a run; a run stopped after 3 steps and resumed (in processes whose
+    RNGs have moved on since); a run whose rank 1 sleeps inside step 2 (hang diagnosis). Returns the run
+    directories and the CompletedProcess."""
+    root = tmp_path_factory.mktemp("ddp_launch")
+    ddp, ddp_resumed, hang = root / "ddp", root / "ddp_resumed", root / "hang"
     result = torchrun_runs([fast_train_overrides(run, tiny_dataset, steps=6, **extra) for run, extra in
-                            [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {})]], tmp_path)
+                            [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {}),
+                             (hang, PLANTED_HANG)]], root)
     assert result.returncode == 0, result.stderr[-3000:]
-    one, two, two_resumed = losses(single), losses(ddp), losses(ddp_resumed)
+    return {"ddp": ddp, "ddp_resumed": ddp_resumed, "hang": hang}, result
+
+
+def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, ddp_launch):
+    single = tmp_path / "single"
+    train(fast_train_overrides(single, tiny_dataset, steps=6))
+    runs, _ = ddp_launch
+    one, two, two_resumed = losses(single), losses(runs["ddp"]), losses(runs["ddp_resumed"])
     assert two == two_resumed  # DDP resume is bitwise too
     # Same global batch, gradients averaged over 2 ranks instead of accumulated in one: equal up to
     # float summation order.
     assert sorted(one) == sorted(two)
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+def test_a_rank_sleeping_inside_a_step_gets_both_ranks_stacks_written(ddp_launch):
+    """Rank 1 sleeps in step 2; rank 0 waits for it in a collective. Both overrun train.hang_after_s, so both
+    write their stacks and a line naming the rank and the step (rank 0 into train.log, rank 1 on stderr)."""
+    runs, result = ddp_launch
+    hang = runs["hang"] / "hang"
+    sleeper, waiter = (hang / "rank1_step2.txt").read_text(), (hang / "rank0_step2.txt").read_text()
+    assert "in _maybe_sleep" in sleeper
+    assert "in train_step" in waiter and "in _maybe_sleep" not in waiter
+    assert "hang: rank 0, step 2 has run" in (runs["hang"] / "train.log").read_text()
+    assert "hang: rank 1, step 2 has run" in result.stderr
 
 
 def test_killed_rank_is_restarted_by_torchrun_and_loses_no_step(tmp_path, tiny_dataset):
