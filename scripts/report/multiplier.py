@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group, Run
-from scripts.report.stats import t_interval
+from scripts.report.stats import paired, t_interval
 from scripts.report.table import baseline_of
 
 BEYOND = "beyond the baseline's curve"
@@ -100,6 +100,20 @@ def at_budget(points: list[Point], steps: int) -> list[Point]:
     return [min(points, key=lambda p: abs(p.step - fraction * steps)) for fraction in BUDGET_FRACTIONS]
 
 
+def loss_at(group: Group, step: int) -> dict[int, float]:
+    """seed -> validation loss at the evaluation after `step` updates, over the runs that have one."""
+    return {run.seed: r["val_loss"] for run in group.runs for r in run.evaluations if r["step"] == step}
+
+
+def difference_text(variant: Group, base: Group, step: int) -> str:
+    """The variant's validation loss minus the baseline's at `step`, paired by seed, with its label."""
+    diff = paired(loss_at(variant, step), loss_at(base, step))
+    if diff is None:
+        return "-"
+    spread = f" ± {diff.sd:.4f}" if diff.sd is not None else ""
+    return f"{diff.mean:+.4f}{spread}: {diff.label()}"
+
+
 def multiplier_figure(curves: dict[str, dict[str, list[Point]]], path: Path) -> Path:
     """One panel per setting, one line per variant: the mean multiplier over seeds at every evaluation where
     every seed has one; hollow markers for points in an LR decay."""
@@ -124,8 +138,10 @@ def multiplier_figure(curves: dict[str, dict[str, list[Point]]], path: Path) -> 
 
 
 def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
-    """The figure and, per setting, the multiplier at 25/50/75/100% of the budget."""
+    """The figure and, per setting, the multiplier and the paired loss difference at 25/50/75/100% of the
+    budget."""
     curves: dict[str, dict[str, list[Point]]] = {}
+    pairs: dict[tuple[str, str], tuple[Group, Group]] = {}
     for group in groups:
         base = baseline_of(group, groups)
         if base is None or base is group:
@@ -133,6 +149,7 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
         points = multiplier_points(group, base)
         if points:
             curves.setdefault(group.size, {})[group.variant] = points
+            pairs[(group.size, group.variant)] = group, base
     if not curves:
         return []
     figure = multiplier_figure(curves, out_dir / "token_multiplier.png")
@@ -152,6 +169,12 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
                             for fraction, p in zip(BUDGET_FRACTIONS, some))
         lines += [f"**{setting}**", "", f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
         lines += [f"| {variant} | " + " | ".join(p.text() for p in at_budget(points, steps)) + " |"
+                  for variant, points in by_variant.items()]
+        lines += ["", f"Validation loss minus the baseline's at the same evaluations (paired by seed, mean ± sd: "
+                      "the noise label of its 95% interval):", "",
+                  f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
+        lines += [f"| {variant} | " + " | ".join(difference_text(*pairs[(setting, variant)], p.step)
+                                                for p in at_budget(points, steps)) + " |"
                   for variant, points in by_variant.items()]
         lines.append("")
     return lines
