@@ -7,7 +7,10 @@ import resource
 import shutil
 import signal
 import subprocess
+import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,6 +209,58 @@ def test_a_preparation_killed_by_sigkill_is_continued_by_the_next(tmp_path):
                                                          "plan.json", "tokenizer.json"]
     prepare_text_corpus([tmp_path / "texts"], out / "prepared", 300)
     assert sorted(p.name for p in out.iterdir()) == ["prepared"]  # no partial, no lock file left
+
+
+def children_of(pid):
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_die_with_a_killed_preparation_and_the_next_waits_for_them(tiny_dataset, tmp_path):
+    """After kill -9 of a preparation, its workers ran on, orphaned, writing into the build directory that the
+    next preparation took over. Here each worker blocks opening a FIFO (a file that never comes)."""
+    build = tmp_path / ".prepared.partial"
+    build.mkdir()
+    shutil.copy(tiny_dataset / "tokenizer.json", build / "tokenizer.json")
+    jobs = []
+    for i in range(2):
+        os.mkfifo(tmp_path / f"never{i}.txt")
+        jobs.append(shards.ShardJob(shards.Part(f"never{i}.txt", 1, path=tmp_path / f"never{i}.txt"),
+                                    build / f"part-{i:05d}", build / "tokenizer.json", "uint16", "stop"))
+    preparation = os.fork()
+    if preparation == 0:
+        try:
+            shards.write_shards(jobs, 2, Tokenizer.from_file(str(build / "tokenizer.json")), 2, 0)
+        finally:
+            os._exit(1)
+    started = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (build / shards.WRITERS_LOCK).exists():
+            time.sleep(0.05)
+        started = children_of(preparation)
+        waiter = threading.Thread(target=shards.wait_for_writers, args=(build,))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive()  # the workers are alive: the next preparation waits
+        os.kill(preparation, signal.SIGKILL)
+        os.waitpid(preparation, 0)
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(alive, started)):
+            time.sleep(0.05)
+        assert len(started) >= 2 and not any(map(alive, started))
+    finally:
+        for pid in started:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------

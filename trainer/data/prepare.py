@@ -4,7 +4,6 @@ directory atomically. A killed preparation leaves `.NAME.partial` beside NAME, h
 finished shards, and the next preparation of NAME continues from there."""
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -47,7 +46,7 @@ from trainer.data.format import (
     verify_dataset,
 )
 from trainer.data.progress import log
-from trainer.data.shards import Part, ShardJob, merge_shards, shard_done, write_shards
+from trainer.data.shards import Part, ShardJob, merge_shards, shard_done, take_flock, wait_for_writers, write_shards
 from trainer.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192
@@ -177,8 +176,6 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-
-
 def encode_threads() -> str:
     """How many threads encode_batch will use, for the log: tokenizers' rule, not ours."""
     setting = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -213,18 +210,10 @@ def preparation_lock(out_dir: Path) -> Iterator[None]:
 
 def _flock(lock, path: Path, out_dir: Path) -> bool:
     """Take the lock, waiting if it is held; False where the file system has no file locks."""
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another preparation of {out_dir} (it holds {path})")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-    except OSError as error:
-        if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        log(f"{path.parent} does not support file locks; preparing without one")
-        return False
-    return True
+    if take_flock(lock, fcntl.LOCK_EX, f"waiting for another preparation of {out_dir} (it holds {path})"):
+        return True
+    log(f"{path.parent} does not support file locks; preparing without one")
+    return False
 
 
 def start_or_continue(partial: Path, plan: dict) -> bool:
@@ -232,6 +221,7 @@ def start_or_continue(partial: Path, plan: dict) -> bool:
     work of an earlier, killed preparation of the same plan, which is then continued."""
     plan_path = partial / "plan.json"
     if partial.is_dir() and not partial.is_symlink():
+        wait_for_writers(partial)
         try:
             if json.loads(plan_path.read_text()) == plan:
                 return True

@@ -6,9 +6,14 @@ started again skips it. The finished shards are merged in input order into one d
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import gc
 import json
 import os
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import closing
@@ -24,8 +29,15 @@ from tokenizers import Tokenizer
 from trainer.data.documents import Piece, iter_documents
 from trainer.data.format import EOT_TOKEN
 from trainer.data.mcore import megatron_datasets
-from trainer.data.progress import Progress
+from trainer.data.progress import Progress, log
 from trainer.safe_io import write_file
+
+# In a build directory, the file each live worker process holds a shared flock on (wait_for_writers).
+WRITERS_LOCK = "writers.lock"
+# flock's errors on a file system without file locks.
+NO_FILE_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_held_for_life: list[int] = []  # a worker's descriptor of writers.lock, open (and locked) until it exits
 
 # encode_batch spreads one batch over the cores by document; a few MB per batch keeps them all busy
 # on many small documents (jsonl) without holding much of a large corpus in memory.
@@ -120,9 +132,26 @@ def write_shard(job: ShardJob, tokenizer: Tokenizer | None = None, on_bytes: Cal
     return counts
 
 
-def _serial_worker() -> None:
-    """Each worker process encodes on one thread: the processes are the parallelism."""
+def _start_worker(writers_lock: str, parent: int) -> None:
+    """Each worker process encodes on one thread (the processes are the parallelism), dies with the process
+    that started it, and holds a shared lock on its build directory's writers.lock for as long as it lives."""
     os.environ["RAYON_NUM_THREADS"] = "1"
+    die_with_parent(parent)
+    fd = os.open(writers_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    take_flock(fd, fcntl.LOCK_SH, f"worker {os.getpid()} waiting for {writers_lock}")
+    _held_for_life.append(fd)
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux's parent-death signal: SIGKILL when the thread that started this process exits (the preparing
+    process's main thread: ProcessPoolExecutor starts spawn workers from the thread that submits), even by
+    kill -9, so no orphaned worker goes on writing into a build directory a later preparation takes over."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
 
 
 def write_shards(jobs: list[ShardJob], workers: int, tokenizer: Tokenizer, total_bytes: int,
@@ -141,14 +170,46 @@ def write_shards(jobs: list[ShardJob], workers: int, tokenizer: Tokenizer, total
         remote = [i for i in range(len(jobs)) if i not in counts]
         if remote:
             # spawn, not fork: the parent's tokenizers thread pool does not survive a fork.
+            writers_lock = jobs[remote[0]].prefix.parent / WRITERS_LOCK
             with ProcessPoolExecutor(min(workers, len(remote)), mp_context=get_context("spawn"),
-                                     initializer=_serial_worker) as pool:
+                                     initializer=_start_worker, initargs=(str(writers_lock), os.getpid())) as pool:
                 futures = {pool.submit(write_shard, jobs[i]): i for i in remote}
                 for future in as_completed(futures):
                     i = futures[future]
                     counts[i] = future.result()
                     bar.update(jobs[i].part.size, counts[i]["documents"])
+            writers_lock.unlink(missing_ok=True)  # every worker has exited
     return [counts[i] for i in range(len(jobs))]
+
+
+def wait_for_writers(build_dir: Path) -> None:
+    """Before a build directory is continued or removed: wait until no worker of an earlier preparation (one
+    killed before its workers, where no parent-death signal stops them) still holds writers.lock."""
+    try:
+        fd = os.open(build_dir / WRITERS_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no workers ever ran there (or a link at the name, which start_or_continue removes)
+        return
+    try:
+        take_flock(fd, fcntl.LOCK_EX, f"waiting for the worker processes of an earlier preparation, still "
+                                      f"writing in {build_dir}")
+    finally:
+        os.close(fd)
+
+
+def take_flock(fd, operation: int, waiting: str) -> bool:
+    """flock(fd, operation), logging `waiting` first when it must wait; False where the file system has no
+    file locks."""
+    try:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(waiting)
+            fcntl.flock(fd, operation)
+    except OSError as error:
+        if error.errno not in NO_FILE_LOCKS:
+            raise
+        return False
+    return True
 
 
 def remove_links_or_leftovers(prefix: Path) -> None:
