@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from model import build_model
 from parallel.dims import Degrees, build_layout, init_distributed
-from parallel.parallelize import build_engine
+from parallel.engine import build_engine
 from scripts.bench_memory import StorageTracker
 from trainer.config import ParallelConfig, load_config
 

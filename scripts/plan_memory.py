@@ -179,7 +179,7 @@ CPU_TRAIN = ["model=m", "train.seq_len=128", "train.micro_batch=2", "train.globa
 
 def runtime_rss_mib() -> float:
     """Peak RSS of a process that imports torch and the model and trainer code and builds nothing."""
-    code = ("import resource, torch, model, trainer.trainer, parallel.parallelize; "
+    code = ("import resource, torch, model, trainer.trainer, parallel.engine; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.parallelize import cross_entropy
+from parallel.engine import cross_entropy
 from scripts.depth_matrix import token_matrices
 from trainer.checkpoint import CheckpointError
 from trainer.export import parse_key_values, run_cli

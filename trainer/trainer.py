@@ -22,7 +22,8 @@ from model.flops import training_flops_per_token
 from model.params import count_parameters
 from parallel.compile import apply_compile
 from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision, set_collective_timeout
-from parallel.parallelize import build_engine, moe_load_imbalance, sync_moe_load
+from parallel.engine import build_engine
+from parallel.gradients import moe_load_imbalance, sync_moe_load
 from trainer.async_checkpoint import CheckpointSaver
 from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, pinned_names, read_meta,

@@ -22,9 +22,8 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder:
-    """Delete, in place, every part of the decoder that no chunk of this rank runs. The engine calls it
-    on the meta-device model before materialising, so a rank never allocates other stages' weights;
-    a second call (PipelineRunner's, for callers that pass a whole model) finds nothing to delete."""
+    """Delete, in place, every part of the decoder that no chunk of this rank runs. On a meta-device
+    model, before materialising, this rank never allocates other stages' weights."""
     chunks = plan.chunks_of(pp_rank)
     owned = {str(b) for c in chunks for b in plan.chunk_blocks[c]}
     for key in [k for k in model.layers.keys() if k not in owned]:
@@ -36,20 +35,24 @@ def keep_rank_parts(model: Decoder, plan: PipelinePlan, pp_rank: int) -> Decoder
     return model
 
 
+def build_chunks(model: Decoder, plan: PipelinePlan, pp_rank: int,
+                 message_dtype: torch.dtype | None = None) -> list[PipelineChunk]:
+    """This rank's chunks of `model`, pruned to them in place (keep_rank_parts), sharing one block cache.
+    The caller shards and materialises them (tp, ep, FSDP2) before PipelineRunner builds stages around them.
+    `message_dtype`: what the stages send (the residual stream's dtype; None: the parameters')."""
+    rank_model = keep_rank_parts(model, plan, pp_rank)
+    dtype = message_dtype or next(rank_model.parameters()).dtype
+    cache = DepthCache()
+    return [PipelineChunk(rank_model, plan, c, cache, dtype) for c in plan.chunks_of(pp_rank)]
+
+
 class PipelineRunner:
-    def __init__(self, model: Decoder, plan: PipelinePlan, pp_rank: int, pp_group, device: torch.device,
-                 schedule: str, microbatches: int, micro_batch: int, seq_len: int, loss_fn, parallelize_chunks=None,
-                 message_dtype: torch.dtype | None = None):
-        """`parallelize_chunks(chunks)`, if given, shards the chunk modules (tp, ep, FSDP2) and materialises
-        them before the stages are built around them. `message_dtype`: what the stages send (the residual
-        stream's dtype; None: the parameters')."""
-        self.plan, self.pp_rank, self.pp_group = plan, pp_rank, pp_group
-        self.rank_model = keep_rank_parts(model, plan, pp_rank)
-        dtype = message_dtype or next(self.rank_model.parameters()).dtype
-        self.cache = DepthCache()
-        self.chunks = [PipelineChunk(self.rank_model, plan, c, self.cache, dtype) for c in plan.chunks_of(pp_rank)]
-        if parallelize_chunks is not None:
-            parallelize_chunks(self.chunks)
+    def __init__(self, chunks: list[PipelineChunk], pp_group, device: torch.device, schedule: str,
+                 microbatches: int, micro_batch: int, seq_len: int, loss_fn):
+        """Stages around this rank's `chunks` (build_chunks), on `device`, and the schedule that runs them."""
+        plan, dtype = chunks[0].plan, chunks[0].message_dtype
+        self.plan, self.pp_group, self.chunks, self.cache = plan, pp_group, chunks, chunks[0].cache
+        self.rank_model = chunks[0].decoder
         stages = [CachingPipelineStage(chunk, chunk.chunk, plan.n_chunks, device,
                                        input_args=self._example_inputs(chunk.chunk, micro_batch, seq_len, device, dtype),
                                        output_args=self._example_outputs(chunk.chunk, micro_batch, seq_len, device, dtype),
@@ -59,8 +62,8 @@ class PipelineRunner:
         cls = SCHEDULES[schedule]
         self.schedule = cls(stages if schedule in MULTI_STAGE else stages[0], n_microbatches=microbatches,
                             loss_fn=loss_fn)
-        self.has_first = 0 in plan.chunks_of(pp_rank)
-        self.has_last = plan.n_chunks - 1 in plan.chunks_of(pp_rank)
+        self.has_first = chunks[0].is_first
+        self.has_last = chunks[-1].is_last
 
     def _message_count(self, chunk: int, incoming: bool) -> int:
         sender = chunk - 1 if incoming else chunk

@@ -25,7 +25,8 @@ from model import build_model
 from model.residual import DepthGeometry
 from parallel.dims import Degrees, DistInfo, build_layout
 from parallel import fsdp
-from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
+from parallel.engine import build_engine, cross_entropy
+from parallel.gradients import sync_moe_load
 from trainer.config import ParallelConfig, load_config
 from trainer.muon import MatrixSlice, Muon
 from tp_parity_worker import whole as whole_slice  # torchrun runs this file from its directory

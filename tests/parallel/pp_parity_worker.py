@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from model import build_model
 from parallel.dims import Degrees, DistInfo, build_layout
-from parallel.parallelize import build_engine, cross_entropy
+from parallel.engine import build_engine, cross_entropy
 from parallel.pipeline.plan import PipelinePlan
-from parallel.pipeline.runner import PipelineRunner
+from parallel.pipeline.runner import PipelineRunner, build_chunks
 from parallel.pipeline.stage import AddCachedGrad
 from trainer.config import ParallelConfig, load_config
 from fsdp_parity_worker import bf16_autocast, reference_step, relative_error  # torchrun runs from this directory
@@ -62,7 +62,7 @@ def run_case(case: dict, rank: int) -> dict:
 
     torch.manual_seed(0)
     plan = PipelinePlan(cfg.model, case["pp"], case["vp"], case["cache"])
-    runner = PipelineRunner(build_model(cfg), plan, rank, None, torch.device("cpu"), case["schedule"],
+    runner = PipelineRunner(build_chunks(build_model(cfg), plan, rank), None, torch.device("cpu"), case["schedule"],
                             microbatches, MICRO_BATCH, SEQ, cross_entropy)
     if case.get("drop_aux"):
         for chunk in runner.chunks:

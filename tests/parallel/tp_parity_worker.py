@@ -17,8 +17,9 @@ import torch.distributed as dist
 from model import build_model
 from model.moe import MoE
 from parallel.dims import Degrees, DistInfo, build_layout
-from parallel import parallelize
-from parallel.parallelize import build_engine, cross_entropy, sync_moe_load
+from parallel import gradients
+from parallel.engine import build_engine, cross_entropy
+from parallel.gradients import sync_moe_load
 from parallel.context import ContextSplit
 from parallel.tensor import local_sequence
 from torch.distributed.tensor import DTensor
@@ -138,12 +139,12 @@ def main() -> None:
     info = DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
     results = [run_case(case, info) for case in CASES[info.world_size]]
     # Negative control: without completing the replicated gradients over tp the parity must break.
-    original = parallelize.reduce_replicated_grads
-    parallelize.reduce_replicated_grads = lambda model, shards, group: None
+    original = gradients.reduce_replicated_grads
+    gradients.reduce_replicated_grads = lambda model, shards, group: None
     try:
         control = run_case({"dp": info.world_size // 2, "pp": 1, "tp": 2, "ep": 1, "variant": "block"}, info)
     finally:
-        parallelize.reduce_replicated_grads = original
+        gradients.reduce_replicated_grads = original
     extra_controls = ([run_case({"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "aux_loss_coef": 0.1,
                                  "slice_balance_loss": True}, info),
                        run_case({"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block",
