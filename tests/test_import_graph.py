@@ -1,11 +1,15 @@
-"""The package layering (docs/ARCHITECTURE.md): kernels -> model -> parallel -> trainer -> scripts, each
-importing only the layers below it (and kernels only torch and triton), and no import cycle between
-modules. Function-local imports count: a cycle hidden inside a function is still a cycle."""
+"""The package layering (docs/ARCHITECTURE.md): kernels -> model -> parallel -> trainer -> scripts -> tests,
+each importing only the layers below it, kernels only torch, triton and the standard library (fla looked
+up inside a function), and no import cycle between modules. Function-local imports count: a cycle hidden
+inside a function is still a cycle."""
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "model", "parallel", "trainer", "scripts")
+LAYERS = ("kernels", "model", "parallel", "trainer", "scripts", "tests")
+KERNEL_DEPENDENCIES = {"torch", "triton", *sys.stdlib_module_names}
+KERNEL_LAZY_DEPENDENCIES = {"fla"}  # optional: imported inside the function that uses it
 
 
 def module_name(path: Path) -> str:
@@ -43,6 +47,28 @@ def import_graph() -> dict[str, set[str]]:
     return {module_name(path): project_imports(path, modules) - {module_name(path)} for path in files}
 
 
+def outside_imports(path: Path, top_level_only: bool) -> set[str]:
+    """The top-level packages outside the project that `path` imports (at module level only, or anywhere)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - set(LAYERS)
+
+
+def kernel_dependency_violations(root: Path = ROOT) -> list[str]:
+    found = []
+    for path in sorted((root / "kernels").rglob("*.py")):
+        anywhere = outside_imports(path, top_level_only=False) - KERNEL_DEPENDENCIES
+        at_import = outside_imports(path, top_level_only=True) - KERNEL_DEPENDENCIES
+        found += [f"{path.relative_to(root)}: {name}" for name in sorted(anywhere - KERNEL_LAZY_DEPENDENCIES | at_import)]
+    return found
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state, stack = {}, []
 
@@ -73,6 +99,18 @@ def test_no_layer_imports_a_layer_above_it():
     assert upward_imports(import_graph()) == []
 
 
+def test_kernels_import_only_torch_triton_and_the_standard_library():
+    assert kernel_dependency_violations() == []
+
+
+def test_the_kernel_check_finds_a_foreign_import(tmp_path):
+    """Negative control: numpy at module level and fla at module level are both violations; fla in a function is not."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "bad.py").write_text("import numpy\nimport fla\n\ndef f():\n    import fla.ops\n")
+    (tmp_path / "kernels" / "good.py").write_text("import torch\nimport math\n\ndef f():\n    from fla.ops import kda\n")
+    assert kernel_dependency_violations(tmp_path) == ["kernels/bad.py: fla", "kernels/bad.py: numpy"]
+
+
 def test_no_import_cycle_between_modules():
     assert find_cycle(import_graph()) is None
 
@@ -82,7 +120,8 @@ def test_the_graph_holds_known_imports_of_every_form():
     graph = import_graph()
     assert {"parallel.fsdp", "parallel.tensor", "model.decoder"} <= graph["parallel.parallelize"]
     assert "parallel.pipeline.runner" in graph["parallel.engine"]  # imported inside PipelineEngine
-    assert {"kernels", "model", "parallel", "trainer", "scripts"} == {name.split(".")[0] for name in graph}
+    assert set(LAYERS) == {name.split(".")[0] for name in graph}
+    assert {"parallel.dims", "trainer.config"} <= graph["tests.parallel.test_layout_rules"]
 
 
 def test_the_checks_find_an_upward_import_and_a_cycle():
