@@ -309,8 +309,10 @@ class Group:
 
     @property
     def final_by_seed(self) -> dict[int, float]:
-        """seed -> final validation loss, over the runs that have one."""
-        return {run.seed: run.final_val_loss for run in self.runs if run.final_val_loss is not None}
+        """seed -> final validation loss, over the finished runs that have one: an unfinished run's last
+        evaluation is at another step than a finished run's, so pairing the two would compare budgets."""
+        return {run.seed: run.final_val_loss for run in self.runs
+                if run.finished and run.final_val_loss is not None}
 
     @property
     def lr(self) -> float:

@@ -78,8 +78,10 @@ def x0_lines(setting: str, base: Group, x0: Group | None, attnres: list[Group]) 
     if x0 is None:
         return [f"- {setting}: no x0 run, so embedding access and attention over depth cannot be told apart "
                 "(add a run with `variant=x0`)."] if attnres else []
-    lines = [f"- {setting}: x0 minus baseline: {stated(paired_groups(x0, base))}: the gain of access to the "
-             "embedding alone."]
+    x0_gain = paired_groups(x0, base)
+    if x0_gain is None:
+        return [f"- {setting}: x0 and the baseline have no finished seed in common: nothing to pair."]
+    lines = [f"- {setting}: x0 minus baseline: {stated(x0_gain)}: the gain of access to the embedding alone."]
     for group in attnres:
         over_x0, over_base = paired_groups(group, x0), paired_groups(group, base)
         if over_x0 is None or over_base is None:

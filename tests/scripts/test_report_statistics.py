@@ -167,3 +167,8 @@ def test_controls_long_multiplier_falls_with_tokens_and_marks_the_decay():
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
     assert T975[1] * sd / math.sqrt(2) < abs(mean)
     assert difference_text(one_block, base, 250) == f"{mean:+.4f} ± {sd:.4f}: ahead on every seed, interval excludes 0"
+    # A run given a longer budget than it reached is unfinished: its last evaluation is not paired with the
+    # baseline's final one (step 1000 against step 2000's budget would compare budgets, not variants).
+    assert paired_groups(one_block, base).n == 2
+    one_block.runs[1].config.train.steps = 2000
+    assert paired_groups(one_block, base).diffs == (one_block.runs[0].final_val_loss - base.runs[0].final_val_loss,)
