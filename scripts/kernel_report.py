@@ -6,8 +6,8 @@ roofline prediction against the H200's HBM bandwidth. Needs no GPU (triton and i
                                     [--json PATH] [--no-roofline] [--measure]
 
 Exits 1 when any kernel spills. --json writes one record per compiled kernel (for the tests).
---measure (on a CUDA device: scripts/gpu_check.sh) times each roofline kernel and prints its measured
-time and bandwidth beside the prediction.
+--measure (on a CUDA device: scripts/gpu_check.sh) measures the device's copy bandwidth, then times each
+roofline kernel and prints its measured time, bandwidth and that bandwidth as a fraction of the copy's.
 
 The launches come from the launch code itself (`kernels.*.triton.*_launch` on meta tensors), for each
 model size, residual setting (the block variant's default and the ablations' block settings), sequence
@@ -272,6 +272,24 @@ def measure_us(launch: Launch, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_bytes_per_s(device: str = "cuda", size: int = 1 << 30, reps: int = 20) -> float:
+    """The device's own copy bandwidth: bytes read plus bytes written per second by `dst.copy_(src)` of
+    `size` bytes (median of `reps`), the most a memory-bound kernel can hope to move."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for rep in range(reps + 2):  # the first two warm up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if rep >= 2:
+            times.append(time.perf_counter() - start)
+    return 2 * size / sorted(times)[len(times) // 2]
+
+
 # -- report ------------------------------------------------------------------------------------------
 
 
@@ -320,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_report: --measure needs a CUDA device; the roofline table has predictions only", file=sys.stderr)
         measure = False
     print(f"Roofline at {ROOFLINE_TOKENS} tokens (one call, the largest phase-1 read), H200 {H200_BYTES_PER_S / 1e12:.1f} TB/s:\n")
-    measured_columns = " measured µs | measured GB/s |" if measure else ""
+    if measure:
+        copy = copy_bytes_per_s()
+        print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e9:.0f} GB/s (read + write of 1 GiB)\n")
+    measured_columns = " measured µs | measured GB/s | of copy |" if measure else ""
     print(f"| size | dtype | kernel | fused MB | predicted µs | unfused torch MB | fused / unfused |{measured_columns}")
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if measure else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if measure else ""))
     for size in args.sizes:
         for dtype in args.dtypes:
             unfused = unfused_bytes(size, DTYPES[dtype])
@@ -334,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{fused / unfused[launch.name]:.2f} |")
                 if on_device is not None:
                     us = measure_us(on_device)
-                    row += f" {us:.1f} | {fused / us / 1e3:.0f} |"
+                    row += f" {us:.1f} | {fused / us / 1e3:.0f} | {fused / us * 1e6 / copy:.0%} |"
                 print(row, flush=True)
     return 1 if spilling else 0
 

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.sh without a GPU: the dry run lists every check with its command; a real run
-refuses in one line; the PASS/FAIL lines its Python checks end with judge the right figures."""
+"""scripts/gpu_check.sh without a GPU: its rehearsal runs every check's entry point on the CPU through the same
+command line, files and summary (a check that crashes here would crash on the lent machine); a real run
+refuses in one line; the PASS/FAIL lines of the benchmarks' --summary judge the right figures."""
 import json
 import math
 import os
@@ -9,37 +10,53 @@ from argparse import Namespace
 from pathlib import Path
 
 from scripts import bench_inference, bench_kernels
-from scripts.gpu_checks import train_steps
+from scripts.gpu_checks.run import CHECKS
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["triton_kernels_cuda", "kernel_report", "bench_kernels", "fla_chunk_kda", "grouped_mm", "train_bf16_m", "compiled_decode"]
 
 
-def gpu_check(*args):
-    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+def gpu_check(*args, out):
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_OUT": str(out)})
 
 
-def test_dry_run_lists_every_check_and_its_command():
-    result = gpu_check("--dry-run")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"gpu_check: {len(CHECKS)} checks, logs under runs/gpu_check/")
-    assert [line.split(" ")[0] for line in lines[1:]] == CHECKS
-    commands = dict(line.split(": ", 1) for line in lines[1:])
-    assert commands["triton_kernels_cuda (limit 240s)"] == (
-        f"env -u TRITON_INTERPRET KERNEL_TEST_DEVICE=cuda {sys.executable} -m pytest -q -p no:cacheprovider tests/kernels")
-    assert commands["kernel_report (limit 180s)"].endswith("-m scripts.kernel_report --archs 90 --dtypes bf16 --measure")
-    assert commands["train_bf16_m (limit 180s)"].endswith("--steps 30")
-    assert "--compile --summary" in commands["compiled_decode (limit 240s)"]
+def test_the_rehearsal_runs_every_check_on_the_cpu_and_skips_only_what_needs_cuda(tmp_path):
+    result = gpu_check("--rehearse", out=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["rehearse"] and report["device"] != "" and report["torch"].startswith("2.")
+    checks = {r["check"]: r for r in report["checks"]}
+    assert list(checks) == [c.name for c in CHECKS] == ["triton_kernels", "kernel_bandwidth", "fla_chunk_kda",
+                                                         "train_step_bf16", "resume", "compiled_decode"]
+    for name, r in checks.items():
+        # Every check has a step only CUDA can run, and names what it would have measured.
+        assert r["status"] in ("PASS", "SKIP") and r["skipped"] and all(len(what) > 20 for what in r["skipped"]), r
+        assert r["line"].startswith(f"{r['status']} {name} ") and r["seconds"] < r["limit_s"], r
+        assert (tmp_path / name / "log.txt").is_file()
+    assert checks["triton_kernels"]["status"] == "SKIP" and "kernel tests on CUDA" in checks["triton_kernels"]["skipped"][0]
+    assert checks["kernel_bandwidth"]["figures"]["copy_gb_per_s"] > 0
+    assert len(checks["kernel_bandwidth"]["figures"]["kernels"]) == 6
+    kda = checks["fla_chunk_kda"]["figures"]
+    assert set(kda["errors"]) == {"initial_state", "cu_seqlens"} and max(kda["max_rel_error"].values()) < 1e-4
+    assert len(kda["errors"]["initial_state"]) == 8 and len(kda["errors"]["cu_seqlens"]) == 6
+    step = checks["train_step_bf16"]["figures"]
+    assert set(step["ratio_to_baseline"]) == {"block", "full"} and all(v > 0 for v in step["step_ms"].values())
+    assert step["mfu"] == {"baseline": None, "block": None, "full": None} and step["peak_mem_mb"] is None
+    resumed = checks["resume"]["figures"]
+    assert resumed["bitwise"] and resumed["max_rel_loss_difference"] == 0 and resumed["peak_mem_mb"] > 0
+    assert set(checks["compiled_decode"]["figures"]) == {"eager"}
+    # The one-screen summary: printed last and written beside the figures.
+    summary = (tmp_path / "summary.txt").read_text()
+    assert len(summary.splitlines()) == 2 + len(CHECKS) and summary in result.stdout
+    assert summary.splitlines()[-1].startswith(f"{len(CHECKS)} of {len(CHECKS)} checks passed or skipped in ")
 
 
-def test_without_a_gpu_a_real_run_refuses_in_one_line():
-    result = gpu_check()
-    assert result.returncode == 2 and result.stdout == ""
+def test_without_a_gpu_a_real_run_refuses_in_one_line(tmp_path):
+    result = gpu_check(out=tmp_path)
+    assert result.returncode == 2 and not (tmp_path / "gpu_check.json").exists()
     assert result.stderr == (f"gpu_check: no CUDA device visible to {sys.executable} (torch.cuda.is_available() is "
-                             "False); run --dry-run to list the checks\n")
-    assert gpu_check("--fast").stderr == "gpu_check: unknown argument '--fast'; the only option is --dry-run\n"
+                             "False); --rehearse runs every check on the CPU\n")
+    assert gpu_check("--fast", out=tmp_path).stderr == "gpu_check: unknown argument '--fast'; the only option is --rehearse\n"
 
 
 GOALS = Namespace(goal_speedup=1.4, goal_peak_pct=70.0, max_error=2e-2)
@@ -69,14 +86,3 @@ def test_bench_inference_summary_fails_when_compiled_tokens_differ():
     compiled["block"] = T(0.084, 0.0042, [3, 5])
     assert bench_inference.summary_line({"eager": eager, "compiled": compiled}).startswith(
         "FAIL compiled_decode tokens differ from eager for block; block_prefill=1.050x")
-
-
-def test_train_steps_finds_device_kernels_only_in_a_trace_that_has_them(tmp_path):
-    cpu_only = tmp_path / "cpu.json"
-    cpu_only.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "cat": "cpu_op"}]}))
-    on_device = tmp_path / "cuda.json"
-    on_device.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "cat": "cpu_op"},
-                                                     {"name": "sm90_xmma_gemm", "cat": "kernel"}]}))
-    assert train_steps._has_cuda_kernels(on_device)
-    assert not train_steps._has_cuda_kernels(cpu_only)
-    assert not train_steps._has_cuda_kernels(tmp_path / "missing.json")

@@ -1,0 +1,121 @@
+"""Run every check of scripts/gpu_check.sh in order, each in its own process under its own time limit (a
+check that runs out of time is stopped and the rest still run), then write every figure into one file,
+<out>/gpu_check.json, and a one-screen summary, <out>/summary.txt (also printed).
+
+    python -m scripts.gpu_checks.run --out DIR [--rehearse]
+
+Exit status: 0 when no check failed or ran out of time, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from scripts.gpu_checks.result import RESULT_FILE
+
+SUMMARY_FILE, JSON_FILE = "summary.txt", "gpu_check.json"
+# What the lent machine's command has left after the bundle install (about 10 s), of its 9 minutes.
+BUDGET_S = 520
+
+
+class Check(NamedTuple):
+    name: str
+    module: str      # scripts.gpu_checks.<module>
+    limit_s: int     # on an H100, its first compiles included
+
+
+CHECKS = (
+    Check("triton_kernels", "kernels", 110),
+    Check("kernel_bandwidth", "bandwidth", 50),
+    Check("fla_chunk_kda", "fla_kda", 45),
+    Check("train_step_bf16", "train_step", 120),
+    Check("resume", "resume", 70),
+    Check("compiled_decode", "decode", 120),
+)
+assert sum(check.limit_s for check in CHECKS) <= BUDGET_S, "the checks' limits exceed the lent command's time"
+
+
+def run_check(check: Check, out: Path, rehearse: bool) -> dict:
+    """Run one check under its limit; its result.json, or what stood in for it (time out, crash)."""
+    folder = out / check.name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RESULT_FILE).unlink(missing_ok=True)
+    command = [sys.executable, "-m", f"scripts.gpu_checks.{check.module}", "--out", str(folder)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels on CUDA
+    if rehearse:
+        command.append("--rehearse")
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is the CPU's, even on a machine with a GPU
+    log = folder / "log.txt"
+    began = time.perf_counter()
+    with log.open("w") as sink:
+        # Its own session: a time-out stops the check's workers (pytest-xdist, inductor) with it.
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            process.wait(timeout=check.limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    seconds = time.perf_counter() - began
+    timing = {"check": check.name, "limit_s": check.limit_s, "seconds": round(seconds, 1), "log": str(log)}
+    if (folder / RESULT_FILE).is_file():
+        return {**json.loads((folder / RESULT_FILE).read_text()), **timing}
+    if process.returncode == -signal.SIGKILL:
+        return {**timing, "status": "TIMEOUT", "line": f"TIMEOUT {check.name} stopped after {check.limit_s} s"}
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(no output)"]
+    return {**timing, "status": "FAIL", "line": f"FAIL {check.name} exit {process.returncode}: {tail[0][:200]}"}
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "host": platform.node()}
+
+
+def summary(report: dict) -> str:
+    lines = [f"gpu_check{' --rehearse' if report['rehearse'] else ''}: {report['device']}, torch {report['torch']}, "
+             f"triton {report['triton']}, python {report['python']}"]
+    lines += [f"{r['line']} [{r['seconds']:.0f}/{r['limit_s']} s]" for r in report["checks"]]
+    failed = [r["check"] for r in report["checks"] if r["status"] in ("FAIL", "TIMEOUT")]
+    lines.append(f"{len(report['checks']) - len(failed)} of {len(report['checks'])} checks passed or skipped in "
+                 f"{report['seconds']:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rehearse", action="store_true", help="on the CPU with tiny shapes; CUDA-only steps SKIP")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.rehearse and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device visible to {sys.executable} (torch.cuda.is_available() is False); "
+              "--rehearse runs every check on the CPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    report = {"rehearse": args.rehearse, **environment(), "checks": []}
+    for check in CHECKS:
+        report["checks"].append(run_check(check, args.out, args.rehearse))
+        print(report["checks"][-1]["line"], flush=True)
+    report["seconds"] = round(time.perf_counter() - began, 1)
+    (args.out / JSON_FILE).write_text(json.dumps(report, indent=1))
+    text = summary(report)
+    (args.out / SUMMARY_FILE).write_text(text + "\n")
+    print(f"\n{text}\n\nfigures: {args.out / JSON_FILE}")
+    return 1 if any(r["status"] in ("FAIL", "TIMEOUT") for r in report["checks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
