@@ -50,7 +50,20 @@ def test_unknown_experiment_is_one_clear_line(capsys):
         compare.main(["experiment=nope"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "experiment='nope' is not one of ablations | controls | controls_long | cpu_repro | lr_sweep | muon_lr_sweep | quick | scaling" in err
+    assert ("experiment='nope' is not one of ablations | controls | controls_long | cpu_repro | long_blend | "
+            "long_blend_lr | lr_sweep | muon_lr_sweep | quick | scaling") in err
+
+
+def test_the_long_blend_grid_without_its_corpus_location_is_one_clear_line(capsys, monkeypatch, tmp_path):
+    """long_blend reads `make corpus`'s blend under $ATTNRES_DATA_CACHE: unset, the first run's config says so
+    before anything trains."""
+    monkeypatch.delenv("ATTNRES_DATA_CACHE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["experiment=long_blend_lr", f"runs_dir={tmp_path / 'runs'}"])
+    assert exit_info.value.code == 2 and not (tmp_path / "runs").exists()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "[compare] error: KeyError raised while resolving interpolation: \"Environment variable "
+        "'ATTNRES_DATA_CACHE' not found\"")
 
 
 def test_shards_split_the_plan_and_the_last_call_reports(tmp_path, tiny_dataset, monkeypatch):
