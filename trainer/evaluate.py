@@ -242,7 +242,7 @@ def run(args: EvaluateArgs) -> str:
     task_names, dataset_names = names_of("tasks", args.tasks), names_of("perplexity", args.perplexity)
     export_dir = find_export("model", args.model)
     cfg = export_config(export_dir, None)
-    tokenizer = load_tokenizer(args.tokenizer, export_dir)
+    tokenizer = load_tokenizer(args.tokenizer, export_dir, cfg)
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else export_dir / TOKENIZER_FILE
     datasets = {name: check_dataset(name, tokenizer_file, cfg) for name in dataset_names}
     manager = task_manager_for(task_names, check_include_path(args.include_path)) if task_names else None

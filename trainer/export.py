@@ -313,12 +313,17 @@ def read_exported_weights(model: torch.nn.Module, export_dir: Path) -> dict[str,
         problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                     for label, names in found if names]
         raise ExportError(f"{file} does not match the model of {CONFIG_FILE} ({'; '.join(problems)})")
+    check_finite(state, file)
+    return state
+
+
+def check_finite(state: dict[str, torch.Tensor], source: Path) -> None:
+    """Every floating-point tensor read from `source` finite: one NaN or inf weight makes every output NaN."""
     for name, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise ExportError(f"{file}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
+            raise ExportError(f"{source}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
                               f"{tensor.numel():,}; export a checkpoint whose weights are finite")
-    return state
 
 
 def run_cli(argv: list[str] | None, usage: str, work, errors: tuple[type[Exception], ...]) -> None:

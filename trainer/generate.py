@@ -35,6 +35,7 @@ from model.generation import generate
 from trainer.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR, fingerprint_difference,
                                 model_fingerprint)
 from trainer.config import Config, ConfigError, config_from_saved
+from trainer.data.format import tokenizer_vocab_size
 from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
                             parse_key_values, read_exported_weights, read_export_config, run_cli)
 
@@ -141,7 +142,8 @@ def check_fingerprint(described: dict, cfg: Config, file: Path) -> None:
                             "was edited after export; restore it or re-export with trainer.export")
 
 
-def load_tokenizer(path: str | None, export_dir: Path):
+def load_tokenizer(path: str | None, export_dir: Path, cfg: Config):
+    """The export's tokenizer, or `path`; its ids must all be rows of the model's embedding."""
     from tokenizers import Tokenizer
 
     candidate = Path(path) if path else export_dir / TOKENIZER_FILE
@@ -149,9 +151,14 @@ def load_tokenizer(path: str | None, export_dir: Path):
         raise GenerateError(f"tokenizer {candidate} not found; pass tokenizer=PATH to the tokenizer.json the run "
                             "was trained with")
     try:
-        return Tokenizer.from_file(str(candidate))
+        tokenizer = Tokenizer.from_file(str(candidate))
     except Exception as error:  # tokenizers raises plain Exceptions for unreadable files
         raise GenerateError(f"tokenizer {candidate} could not be read ({str(error).splitlines()[0]})") from None
+    vocab = tokenizer_vocab_size(tokenizer)
+    if vocab > cfg.model.vocab_size:
+        raise GenerateError(f"tokenizer {candidate} has ids up to {vocab - 1}, outside the model's vocab of "
+                            f"{cfg.model.vocab_size}; is this the run's tokenizer?")
+    return tokenizer
 
 
 def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:
@@ -164,9 +171,6 @@ def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:
         raise GenerateError(f"the prompt is {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
                             f"{len(ids) + max_new_tokens}, beyond the model's trained context of {context} "
                             f"(train.seq_len); {fix}")
-    if max(ids) >= cfg.model.vocab_size:
-        raise GenerateError(f"tokenizer produced id {max(ids)} outside the model's vocab of {cfg.model.vocab_size}; "
-                            "is this the run's tokenizer?")
 
 
 def load_exported_model(export_dir: Path, cfg: Config):
@@ -179,7 +183,7 @@ def load_exported_model(export_dir: Path, cfg: Config):
 def run(args: GenerateArgs) -> str:
     export_dir = find_export(*validate(args))
     cfg = export_config(export_dir, args.variant)
-    tokenizer = load_tokenizer(args.tokenizer, export_dir)
+    tokenizer = load_tokenizer(args.tokenizer, export_dir, cfg)
     ids = tokenizer.encode(args.prompt).ids
     check_prompt(ids, args.max_new_tokens, cfg)
     model = load_exported_model(export_dir, cfg)

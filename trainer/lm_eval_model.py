@@ -100,7 +100,7 @@ class AttnResLM(TemplateLM):
         use instead of the export's own."""
         export_dir = find_export("pretrained", str(pretrained))
         cfg = export_config(export_dir, None)
-        text_tokenizer = load_tokenizer(tokenizer, export_dir)
+        text_tokenizer = load_tokenizer(tokenizer, export_dir, cfg)
         model = load_exported_model(export_dir, cfg)
         return cls(model, text_tokenizer, cfg.train.seq_len, batch_size, max_length, device or "auto")
 

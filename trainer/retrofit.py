@@ -27,6 +27,7 @@ from torch import nn
 from model.norms import RMSNorm
 from trainer.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
+from trainer.export import ExportError, check_finite
 from trainer.hf.export import HFExportError, is_hf_export, read_hf_state
 
 TRAINABLE = ("all", "residual", "norms")
@@ -87,15 +88,16 @@ def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp:
 
 def _source_state(path: Path) -> dict[str, torch.Tensor]:
     """The source's model state (parameters and persistent buffers): a Hugging Face export's safetensors, or a
-    checkpoint through the checkpoint loader."""
-    if is_hf_export(path):
-        try:
-            return read_hf_state(path)
-        except HFExportError as error:
-            raise CheckpointError(f"init_from={path}: {error}") from None
+    checkpoint through the checkpoint loader; finite, as trainer.generate checks an export (one NaN weight
+    would make every loss NaN)."""
     from trainer.trained import load_trained
 
-    return load_trained(path).model.state_dict()
+    try:
+        state = read_hf_state(path) if is_hf_export(path) else load_trained(path).model.state_dict()
+        check_finite(state, path)
+    except (HFExportError, ExportError) as error:
+        raise CheckpointError(f"init_from={path}: {error}") from None
+    return state
 
 
 def init_from(model: nn.Module, init_path: str) -> Path:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from tokenizers import Tokenizer
 
 import trainer.evaluate
 from conftest import cli_error, fast_train_overrides
@@ -214,8 +215,18 @@ def other_tokenizer(export_dir, tmp_path):
     return copy
 
 
+@pytest.fixture
+def wide_tokenizer(export_dir, tmp_path):
+    """The export's tokenizer with 300 more tokens: ids past the model's 512 rows (an IndexError mid-task)."""
+    tokenizer = Tokenizer.from_file(str(export_dir / "tokenizer.json"))
+    tokenizer.add_tokens([f"extra{i}" for i in range(300)])
+    tokenizer.save(str(tmp_path / "wide.json"))
+    return tmp_path / "wide.json"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["model={missing}", "tasks=attnres_local"], "model={missing} does not exist"),
+    (["model={export}", "tasks=attnres_local", "tokenizer={wide}"], "tokenizer {wide} has ids up to "),
     (["model={export}"], "nothing to evaluate"),
     (["model={export}", "perplexity={missing}"], "perplexity={missing} does not exist"),
     (["model={export}", "perplexity={export}"], "is not a prepared dataset"),
@@ -228,10 +239,10 @@ def other_tokenizer(export_dir, tmp_path):
     (["model={export}", "tasks=attnres_local", "out={export}"], "is a directory"),
     (["model={export}", "tasks=attnres_local", "bogus=1"], "unknown key 'bogus'"),
 ])
-def test_bad_input_is_one_line(export_dir, tiny_dataset, other_tokenizer, tmp_path, capsys, no_model_load, argv,
-                               message):
+def test_bad_input_is_one_line(export_dir, tiny_dataset, other_tokenizer, wide_tokenizer, tmp_path, capsys,
+                               no_model_load, argv, message):
     names = {"export": export_dir, "missing": tmp_path / "missing", "dataset": tiny_dataset,
-             "tokenizer": other_tokenizer}
+             "tokenizer": other_tokenizer, "wide": wide_tokenizer}
     err = cli_error(capsys, main, [arg.format(**names) for arg in argv])
     assert message.format(**names) in err
 

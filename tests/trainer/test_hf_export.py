@@ -14,6 +14,7 @@ from conftest import fast_train_overrides
 from model import build_model
 from model.generation import generate
 from parallel.dims import init_distributed
+from trainer.checkpoint import CheckpointError
 from trainer.config import load_config
 from trainer.export import export
 from trainer.generate import export_config, load_exported_model
@@ -129,3 +130,17 @@ def test_export_of_a_run_loads_with_its_tokenizer_in_shards_and_goes_back_throug
     assert init_from(fresh, str(hf_dir)) == hf_dir
     for name, tensor in ours.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_init_from_refuses_an_export_with_a_nan_weight_as_generate_does(tmp_path):
+    """init_from took NaN weights from an HF export and trained on NaN losses until the first checkpoint."""
+    poisoned = perturbed_model("baseline")
+    name = next(name for name, param in poisoned.named_parameters() if param.dim() == 2)
+    with torch.no_grad():
+        poisoned.get_parameter(name)[0, 0] = float("nan")
+    hf_dir = write_export(poisoned, tmp_path / "hf")
+    with pytest.raises(CheckpointError) as error:
+        init_from(build_model(poisoned.cfg, seed=9), str(hf_dir))
+    assert str(error.value) == (f"init_from={hf_dir}: {hf_dir}: tensor {name} holds 1 non-finite values (NaN or inf) "
+                                f"of {poisoned.get_parameter(name).numel():,}; export a checkpoint whose weights are "
+                                "finite")
