@@ -114,6 +114,11 @@ def difference_text(variant: Group, base: Group, step: int) -> str:
     return f"{diff.mean:+.4f}{spread}: {diff.label()}"
 
 
+def cell(text: str, point: Point, column: Point) -> str:
+    """A table cell, naming its step when this variant was evaluated at another step than the column's."""
+    return text if point.step == column.step else f"{text} (step {point.step})"
+
+
 def multiplier_figure(curves: dict[str, dict[str, list[Point]]], path: Path) -> Path:
     """One panel per setting, one line per variant: the mean multiplier over seeds at every evaluation where
     every seed has one; hollow markers for points in an LR decay."""
@@ -168,13 +173,14 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
         header = " | ".join(f"{fraction:.0%} (step {p.step}, {p.tokens / 1e6:.2f}M tokens)"
                             for fraction, p in zip(BUDGET_FRACTIONS, some))
         lines += [f"**{setting}**", "", f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
-        lines += [f"| {variant} | " + " | ".join(p.text() for p in at_budget(points, steps)) + " |"
+        lines += [f"| {variant} | " + " | ".join(cell(p.text(), p, column)
+                                                for p, column in zip(at_budget(points, steps), some)) + " |"
                   for variant, points in by_variant.items()]
         lines += ["", f"Validation loss minus the baseline's at the same evaluations (paired by seed, mean ± sd: "
                       "the noise label of its 95% interval):", "",
                   f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
-        lines += [f"| {variant} | " + " | ".join(difference_text(*pairs[(setting, variant)], p.step)
-                                                for p in at_budget(points, steps)) + " |"
+        lines += [f"| {variant} | " + " | ".join(cell(difference_text(*pairs[(setting, variant)], p.step), p, column)
+                                                for p, column in zip(at_budget(points, steps), some)) + " |"
                   for variant, points in by_variant.items()]
         lines.append("")
     return lines

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.report.multiplier import BEFORE, BEYOND, baseline_tokens_to_reach, difference_text, multiplier_points
+from scripts.report.multiplier import (BEFORE, BEYOND, Point, at_budget, baseline_tokens_to_reach, cell, difference_text,
+                                      multiplier_points)
 from scripts.report.runs import Run, group_runs
 from scripts.report.sanity import setting_lines
 from scripts.report.stats import Paired
@@ -172,3 +173,14 @@ def test_controls_long_multiplier_falls_with_tokens_and_marks_the_decay():
     assert paired_groups(one_block, base).n == 2
     one_block.runs[1].config.train.steps = 2000
     assert paired_groups(one_block, base).diffs == (one_block.runs[0].final_val_loss - base.runs[0].final_val_loss,)
+
+
+def test_budget_columns_take_the_nearest_evaluation_and_name_another_step():
+    """A variant evaluated every 40 steps beside columns of one evaluated every 50: its cells name their step."""
+    every_50 = [Point(step, step * 1024, {0: 1.1}, False) for step in range(50, 1001, 50)]
+    every_40 = [Point(step, step * 1024, {0: 1.2}, False) for step in range(40, 1001, 40)]
+    columns = at_budget(every_50, 1000)
+    assert [p.step for p in columns] == [250, 500, 750, 1000]
+    assert [p.step for p in at_budget(every_40, 1000)] == [240, 480, 760, 1000]
+    assert [cell("x", p, column) for p, column in zip(at_budget(every_40, 1000), columns)] == [
+        "x (step 240)", "x (step 480)", "x (step 760)", "x"]
