@@ -22,7 +22,10 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
   limit=            at most this many examples per task (a fraction below 1: that share of each); empty: all
   batch_size=8      sequences per forward
   num_fewshot=0     few-shot examples before each prompt
-  include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here)
+  include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here). A
+                    YAML there may run Python (`!function module.name` imports module.py from its
+                    directory): such a directory is refused unless allow_task_code=true
+  allow_task_code=false  true: run the Python that include_path's task YAMLs name (only for code you trust)
   device=auto       auto (cuda when available), cpu, cuda or cuda:N
   tokenizer=        tokenizer.json to use instead of the one in the export directory
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +52,8 @@ from trainer.lm_eval_model import AttnResLM, pick_device
 from trainer.safe_io import write_file
 
 LOCAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "eval" / "tasks"
+FUNCTION_TAG = "!function"
+INCLUDE_LINE = re.compile(r"^\s*include:\s*(\S+)", re.MULTILINE)
 PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
 
 
@@ -61,6 +67,7 @@ class EvaluateArgs:
     batch_size: int = 8
     num_fewshot: int = 0
     include_path: str | None = None
+    allow_task_code: bool = False
     device: str = "auto"
     tokenizer: str | None = None
 
@@ -130,12 +137,36 @@ def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> BlendSamples
     return BlendSamples(blend, cfg.data.split, cfg.train.seq_len, cfg.seed, default_cache_dir())
 
 
-def check_include_path(include_path: str | None) -> Path:
+def check_include_path(include_path: str | None, allow_task_code: bool) -> Path:
+    """The task directory; one whose YAMLs name Python to run (`!function`, lm_eval's tag that imports a module
+    from the YAML's directory) only with allow_task_code, except this repository's own."""
     path = Path(include_path) if include_path else LOCAL_TASKS
     if not path.is_dir():
         raise EvaluateError(f"include_path={include_path} is not a directory; give a directory of lm_eval task YAMLs "
                             f"(default {LOCAL_TASKS})")
+    if allow_task_code or path.resolve() == LOCAL_TASKS:
+        return path
+    for yaml_file in task_yamls(path):
+        for number, line in enumerate(yaml_file.read_text(errors="replace").splitlines(), start=1):
+            if FUNCTION_TAG in line:
+                raise EvaluateError(f"include_path={include_path}: {yaml_file}:{number} runs Python ({FUNCTION_TAG}); "
+                                    "pass allow_task_code=true only if you trust that directory's code")
     return path
+
+
+def task_yamls(directory: Path) -> list[Path]:
+    """Every YAML lm_eval reads for `directory`: those under it, and those their `include:` lines name."""
+    found, pending = set(), sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+    while pending:
+        yaml_file = pending.pop()
+        if yaml_file in found:
+            continue
+        found.add(yaml_file)
+        for match in INCLUDE_LINE.finditer(yaml_file.read_text(errors="replace")):
+            included = yaml_file.parent / match.group(1).strip("'\"")
+            if included.is_file():
+                pending.append(included.resolve())
+    return sorted(found)
 
 
 def task_manager_for(names: list[str], include_path: Path):
@@ -245,7 +276,7 @@ def run(args: EvaluateArgs) -> str:
     tokenizer = load_tokenizer(args.tokenizer, export_dir, cfg)
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else export_dir / TOKENIZER_FILE
     datasets = {name: check_dataset(name, tokenizer_file, cfg) for name in dataset_names}
-    manager = task_manager_for(task_names, check_include_path(args.include_path)) if task_names else None
+    manager = task_manager_for(task_names, check_include_path(args.include_path, args.allow_task_code)) if task_names else None
 
     lm = AttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
                    device=device)

@@ -247,6 +247,28 @@ def test_bad_input_is_one_line(export_dir, tiny_dataset, other_tokenizer, wide_t
     assert message.format(**names) in err
 
 
+def test_task_code_outside_the_repositorys_tasks_runs_only_with_allow_task_code(export_dir, tmp_path, capsys,
+                                                                                no_model_load):
+    """A task YAML's `custom_dataset: !function mod.load` imports mod.py from its directory: code, not data."""
+    marker = tmp_path / "ran"
+    tasks, shared = tmp_path / "tasks", tmp_path / "shared"
+    tasks.mkdir()
+    shared.mkdir()
+    (tasks / "mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tasks / "mine.yaml").write_text("task: mine\ncustom_dataset: !function mod.load\n")
+    err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
+    assert err == (f"error: include_path={tasks}: {tasks / 'mine.yaml'}:2 runs Python (!function); pass "
+                   "allow_task_code=true only if you trust that directory's code")
+    assert not marker.exists()
+    # A YAML with no code of its own that includes one with code, outside the directory.
+    (tasks / "mine.yaml").write_text("include: ../shared/base.yaml\ntask: mine\n")
+    (shared / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !function mod.load\n")
+    err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
+    assert err.startswith(f"error: include_path={tasks}: {shared / 'base.yaml'}:2 runs Python (!function)")
+    assert trainer.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
+    assert trainer.evaluate.check_include_path(None, allow_task_code=False) == trainer.evaluate.LOCAL_TASKS
+
+
 def test_help_prints_the_usage(capsys):
     main(["--help"])
     assert "python -m trainer.evaluate model=EXPORT_DIR" in capsys.readouterr().out
