@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train compare bench corpus clean compat
+.PHONY: setup test train compare bench corpus clean compat gpu-bundle
 
 setup: $(STAMP)
 
@@ -84,5 +84,31 @@ compat:
 	@test -n "$(TORCH)" || { echo "make compat: name a torch release, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
 	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip install -q "torch==$(TORCH)" -e '.[dev]'
+	# Triton's interpreter before 3.7 (torch 2.11 pins 3.6) takes int() of one-element arrays, an error from numpy 2.4.
+	$(COMPAT_VENV)/bin/python -c "import sys, triton; sys.exit(tuple(map(int, triton.__version__.split('.')[:2])) < (3, 7))" \
+		|| PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip install -q "numpy<2.4"
 	$(COMPAT_VENV)/bin/python -c "import sys, torch, triton; print('compat: torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+# `make gpu-bundle`: the wheels a lent GPU machine lacks (it has torch 2.11 with triton 3.6, transformers,
+# tokenizers, safetensors, numpy, einops, pyarrow, tqdm, pytest, pytest-xdist, matplotlib, huggingface_hub,
+# and reaches no index), for CPython 3.12 on manylinux x86-64, into .gpu/wheels; scripts/gpu_check.sh
+# installs them there without an index. --no-deps: each missing dependency is named here (from the index:
+# PIP_CONFIG_FILE=/dev/null leaves out this machine's local wheel folders). fla-core holds
+# fla.ops (chunk_kda), all we use of flash-linear-attention. wandb stays out (a dozen dependencies; imported
+# only when logging.wandb.mode is not disabled), as does lm-eval (trainer.evaluate only). omegaconf 2.3
+# needs antlr4-python3-runtime 4.9, published only as a source archive: built here into a pure-Python wheel.
+GPU_WHEELS := .gpu/wheels
+GPU_BUNDLE := "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" "megatron-core>=0.16,<0.17" "zstandard>=0.22" "fla-core>=0.6"
+GPU_BUNDLE_MAX_MIB := 40
+
+gpu-bundle: setup
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	PIP_CONFIG_FILE=/dev/null $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_BUNDLE)
+	PIP_CONFIG_FILE=/dev/null $(PY) -m pip wheel -q --no-deps -w $(GPU_WHEELS) "antlr4-python3-runtime==4.9.3"
+	@$(PY) -c "import pathlib, sys; wheels = sorted(pathlib.Path('$(GPU_WHEELS)').glob('*.whl')); \
+		total = sum(w.stat().st_size for w in wheels) / 2**20; \
+		print('\n'.join(f'{w.stat().st_size / 2**20:7.2f} MiB  {w.name}' for w in wheels)); \
+		print(f'gpu-bundle: {len(wheels)} wheels, {total:.1f} MiB in all (at most $(GPU_BUNDLE_MAX_MIB) MiB) in $(GPU_WHEELS)'); \
+		sys.exit(total > $(GPU_BUNDLE_MAX_MIB))"
