@@ -17,7 +17,15 @@ import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
 from json_mutations import dumps, mutated_bytes, mutated_documents
-from trainer.data import DataError, DatasetCorruptError, prepare_text_corpus, resolve_blend, resolve_dataset
+from test_lifecycle import tmpfs
+from trainer.data import (
+    BlendSamples,
+    DataError,
+    DatasetCorruptError,
+    prepare_text_corpus,
+    resolve_blend,
+    resolve_dataset,
+)
 from trainer.data import documents, prepare, shards
 from trainer.data.documents import Corpus, Piece
 from trainer.data.prepare import MAX_PRETOKEN_BYTES, bpe_pre_tokenizer, train_tokenizer
@@ -261,6 +269,23 @@ def test_workers_die_with_a_killed_preparation_and_the_next_waits_for_them(tiny_
         for pid in started:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_full_disk_while_preparing_or_writing_the_index_cache_is_one_line(tiny_dataset, tmp_path):
+    with tmpfs(tmp_path / "small", "size=64k") as small:
+        with pytest.raises(DataError) as error:
+            prepare_text_corpus([tiny_dataset.parent / "texts"], small / "prepared", 512)
+        message = str(error.value)
+        assert message.startswith(f"no space left on the device of {small} (") and "\n" not in message
+        assert message.endswith(f" MiB free) while writing the prepared dataset {small / '.prepared.partial'}; free "
+                                "some space and prepare again: it continues from the files tokenised so far")
+    with tmpfs(tmp_path / "one_page", "size=4k") as one_page:
+        blend = resolve_blend(None, str(tiny_dataset), tmp_path / "cache", 512, None)
+        with pytest.raises(DataError) as error:
+            BlendSamples(blend, "98,2,0", 16, 0, one_page).build_for_run(steps=1, global_batch=4)
+        assert str(error.value).startswith(f"no space left on the device of {one_page / 'indices'} (")
+        assert str(error.value).endswith(" MiB free) while writing megatron-core's index cache; free some space or "
+                                         "set data.cache_dir elsewhere")
 
 
 # ---------------------------------------------------------------------------------------------

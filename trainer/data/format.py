@@ -18,13 +18,15 @@ import json
 import os
 import re
 import reprlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from trainer.data.sequence_index import SequenceIndexError, read_sequence_index
+from trainer.lock import free_bytes, is_disk_full
 
 EOT_TOKEN = "<|endoftext|>"
 MANIFEST_NAME = "manifest.json"
@@ -58,6 +60,19 @@ def one_line(error: BaseException) -> str:
     """An exception's message fit for a one-line error: its first line, or its type when it has none."""
     lines = str(error).splitlines()
     return lines[0] if lines else type(error).__name__
+
+
+@contextmanager
+def disk_full_as_error(directory: Path, writing: str, remedy: str) -> Iterator[None]:
+    """A full disk while `writing` into `directory`, from whichever writer hit it (numpy, megatron-core, a
+    worker process, the tokenizers library), as one line instead of that writer's traceback."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise DataError(f"no space left on the device of {directory} ({free_bytes(directory) / 2**20:.1f} MiB "
+                        f"free) while writing {writing}; {remedy}") from None
 
 
 def default_cache_dir() -> Path:

@@ -38,6 +38,7 @@ from trainer.data.format import (
     TOKENIZER_NAME,
     DataError,
     DataPreparationError,
+    disk_full_as_error,
     sha256_bytes,
     sha256_file,
     token_dtype,
@@ -249,10 +250,12 @@ def build_dataset(out_dir: Path, corpus: Corpus, parts: list[Part], choice: Trai
     """Build a dataset from `parts` in `.NAME.partial` beside out_dir, then rename it to out_dir."""
     start = time.monotonic()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with preparation_lock(out_dir):
+    partial = out_dir.parent / f".{out_dir.name}.partial"
+    full_disk = disk_full_as_error(out_dir.parent, f"the prepared dataset {partial}", "free some space and prepare "
+                                   "again: it continues from the files tokenised so far")
+    with full_disk, preparation_lock(out_dir):
         if out_dir.exists():
             return reuse_existing(out_dir, choice, source)
-        partial = out_dir.parent / f".{out_dir.name}.partial"
         continuing = start_or_continue(partial, {"source": source["fingerprint"],
                                                  "tokenizer": tokenizer_identity(choice.record)})
         try:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.data.format import DataError, default_cache_dir
+from trainer.data.format import DataError, default_cache_dir, disk_full_as_error
 from trainer.data.index_cache import refuse_index_links
 from trainer.data.mcore import megatron_datasets
 from trainer.data.prepare import PrepareOptions
@@ -113,7 +113,8 @@ class BlendSamples:
             reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         )
         refuse_index_links(self.cache_dir)
-        with process_group():
+        with process_group(), disk_full_as_error(self.cache_dir, "megatron-core's index cache",
+                                                 "free some space or set data.cache_dir elsewhere"):
             return mcore.BlendedMegatronDatasetBuilder(mcore.GPTDataset, sizes, lambda: True, config).build()
 
     def build_for_run(self, steps: int, global_batch: int) -> None:
