@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from model.config import ModelConfig
 
@@ -38,9 +39,23 @@ def init_distributed(init_timeout_s: float | None = None) -> DistInfo:
     if world_size == 1:
         return DistInfo(0, 1, 0, device, None)
     if not dist.is_initialized():
-        timeout = None if init_timeout_s is None else timedelta(seconds=init_timeout_s)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        timeout = default_pg_timeout if init_timeout_s is None else timedelta(seconds=init_timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(world_size, timeout),
+                                rank=int(os.environ["RANK"]), world_size=world_size)
     return DistInfo(dist.get_rank(), world_size, local_rank, device, backend)
+
+
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """torchrun's agents share their rendezvous TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE) and
+    keep it across restarts (--max-restarts), while the workers write into it without a prefix: a restarted
+    group could read the dead group's keys (gloo's peer addresses) and fail to connect, by race (2 restarts of
+    4 on this machine's 2-rank test). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) gives each its own
+    keys. None where the workers' store is their own (env:// as before)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 PRECISIONS = ("auto", "bf16", "fp32")

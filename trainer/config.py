@@ -118,7 +118,8 @@ class CheckpointConfig:
 @dataclass
 class DebugConfig:
     """Fault injection for reliability tests, and profiling."""
-    crash_at_step: int | None = None                              # the process dies once at this step
+    crash_at_step: int | None = None                              # the process is SIGKILLed once at this step
+    crash_rank: int | None = None                                 # only this rank; null: every rank
     nan_loss_steps: list[int] = field(default_factory=list)      # these steps get a NaN loss
     profile_steps: list[int] | None = None                        # [a, b]: a torch.profiler trace of steps a..b
     sleep_at_step: int | None = None                              # rank debug.sleep_rank sleeps inside this step

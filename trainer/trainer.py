@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, fields
@@ -436,12 +437,14 @@ class Trainer:
         return self.run_dir / f".crash_injected_rank{self.info.rank}"
 
     def _maybe_crash(self) -> None:
-        """debug.crash_at_step: die once at that step (a marker per rank stops a loop of crashes)."""
-        at = self.cfg.debug.crash_at_step
+        """debug.crash_at_step: SIGKILL this process once at that step, on debug.crash_rank or every rank (a
+        marker per rank stops a loop of crashes): no cleanup runs, as when a node's OOM killer strikes."""
+        debug = self.cfg.debug
         marker = self._crash_marker()
-        if at is not None and self.step == at and not marker.exists():
+        if (debug.crash_at_step is not None and self.step == debug.crash_at_step
+                and debug.crash_rank in (None, self.info.rank) and not marker.exists()):
             marker.touch()
-            os._exit(13)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _maybe_sleep(self) -> None:
         """debug.sleep_at_step: rank debug.sleep_rank sleeps debug.sleep_s seconds inside that step (a planted hang)."""

@@ -171,18 +171,18 @@ def test_a_rank_sleeping_inside_a_step_gets_both_ranks_stacks_written(ddp_launch
     assert "hang: rank 1, step 2 has run" in result.stderr
 
 
-def test_killed_rank_is_restarted_by_torchrun_and_loses_no_step(tmp_path, tiny_dataset):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    train(fast_train_overrides(straight, tiny_dataset, steps=6, **{"train.ckpt_every": 2}))
+def test_a_rank_killed_mid_training_is_restarted_by_torchrun_and_ends_like_the_uninterrupted_run(
+        tmp_path, tiny_dataset, ddp_launch):
+    """Rank 1 is SIGKILLed after step 4 (checkpoint at step 3); torchrun's agent stops rank 0, restarts both,
+    resume=auto continues from step 3, and the losses are bitwise those of the launch's uninterrupted 2-rank
+    run (same processes, threads and AdamW)."""
+    runs, _ = ddp_launch
+    crashed = tmp_path / "crashed"
     result = torchrun(fast_train_overrides(crashed, tiny_dataset, steps=6, **{
-        "train.ckpt_every": 2, "debug.crash_at_step": 3}), nproc=1, max_restarts=1)
+        "debug.crash_at_step": 4, "debug.crash_rank": 1}), nproc=2, max_restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    records = metrics(crashed)
-    # The crash comes after 3 steps; the restart resumes from step 2's checkpoint, drops the logged
-    # step 3 and redoes it.
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    reference = losses(straight)
-    # torchrun runs with OMP_NUM_THREADS=1, this process with more threads: equal up to summation order.
-    for record in records:
-        assert record["loss"] == pytest.approx(reference[record["step"]], rel=1e-5), record["step"]
+    assert "failed (exitcode: -9) local_rank: 1" in result.stderr  # the agent saw rank 1 SIGKILLed, restarted both
+    assert f"resumed from {crashed / 'checkpoints' / 'step_00000003'}" in (crashed / "train.log").read_text()
+    assert [r["step"] for r in metrics(crashed)] == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, after the restart
+    assert losses(crashed) == losses(runs["ddp"])
+    assert not list(crashed.glob(".crash_injected_rank*"))
