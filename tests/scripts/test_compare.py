@@ -113,7 +113,7 @@ def test_eval_tasks_give_the_report_a_downstream_table(tmp_path, tiny_dataset):
     baseline_row = next(line for line in section.splitlines() if "| acc |" in line and "| baseline |" in line)
     block_row = next(line for line in section.splitlines() if "| acc |" in line and "| block S=2 |" in line)
     assert f"| {accuracy['xs-baseline-s0']:.4f} ± " in baseline_row and baseline_row.endswith("| - |")
-    assert f"{accuracy['xs-block-s0'] - accuracy['xs-baseline-s0']:+.4f} (paired, 1 seed)" in block_row
+    assert f"{accuracy['xs-block-s0'] - accuracy['xs-baseline-s0']:+.4f} (n=1)" in block_row
 
 
 def test_a_bad_eval_block_is_one_clear_line(tmp_path, capsys):
