@@ -22,6 +22,7 @@ from trainer.data import (
     open_samples,
     parse_blend,
     resolve_blend,
+    resolve_dataset,
 )
 from trainer.data.index_cache import IndexCacheError
 from trainer.data.mcore import megatron_datasets
@@ -181,13 +182,19 @@ def test_a_prefix_written_by_megatron_core_is_read_as_it_is(tmp_path):
     windows = {tuple(stream[i:i + SEQ_LEN]) for i in range(len(stream) - SEQ_LEN)}
     assert all(tuple(row) in windows for row in inputs.tolist() if set(row) <= set(stream.tolist()))
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    # Its tokenizer is not recorded, so prepared text cannot join it in a blend without data.tokenizer.
+    # Its tokenizer is not recorded, so prepared text joins it in a blend only with data.tokenizer, in either
+    # order (the text first used to be refused naming its own tokenizer as a data.tokenizer never set).
     text = write_source(tmp_path / "text", SOURCE_WORDS["farm"], 3, 0)
-    with pytest.raises(DataError) as error:
-        resolve_blend([1, str(tmp_path / "corpus"), 1, str(text)], None, tmp_path / "cache", 512, None)
-    assert str(error.value) == (f"data.blend mixes the Megatron prefix {tmp_path / 'corpus'}, whose tokenizer is not "
-                                "recorded, with data prepared here; set data.tokenizer to the tokenizer.json it was "
-                                "made with")
+    for blend in ([1, str(tmp_path / "corpus"), 1, str(text)], [1, str(text), 1, str(tmp_path / "corpus")]):
+        with pytest.raises(DataError) as error:
+            resolve_blend(blend, None, tmp_path / "cache", 512, None)
+        assert str(error.value) == (f"data.blend mixes the Megatron prefix {tmp_path / 'corpus'}, whose tokenizer is "
+                                    "not recorded, with data prepared here; set data.tokenizer to the tokenizer.json "
+                                    "it was made with")
+    tokenizer = resolve_dataset(str(text), tmp_path / "cache", 512) / "tokenizer.json"
+    mixed = resolve_blend([1, str(text), 1, str(tmp_path / "corpus")], None, tmp_path / "cache", 512, str(tokenizer))
+    assert [source.prefix for source in mixed.sources][1] == tmp_path / "corpus"
+    assert mixed.tokenizer_file == tokenizer
 
 
 def test_dp_ranks_take_disjoint_contiguous_slices_and_resume_exactly():

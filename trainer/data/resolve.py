@@ -67,9 +67,8 @@ def resolve_dataset(path: str | None, cache_dir: str | Path | None = None, vocab
         return candidate
     prefix = megatron_prefix(candidate)
     if prefix is not None:
-        if tokenizer is not None:
-            raise DataError(f"data.tokenizer={tokenizer}: {prefix} is a Megatron dataset, tokenised already; "
-                            "unset data.tokenizer")
+        # It records no tokenizer: with data.tokenizer, that is the one it was made with (resolve_blend checks
+        # that a blend mixing it with prepared data has one).
         check_megatron_index(prefix)
         return prefix
     if candidate.is_dir() or (candidate.is_file() and is_text_input(candidate)) or any(c in path for c in "*?["):
