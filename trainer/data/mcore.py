@@ -33,6 +33,19 @@ class NumpyWithoutPickle(types.ModuleType):
         return load_index_array(file, mmap_mode)
 
 
+def load_without_pickle(module: types.ModuleType) -> None:
+    """Every name `module` holds numpy or numpy.load under (`import numpy`, `import numpy as np`, `from numpy
+    import load`) rebound to the no-pickle load, so another megatron-core version's spelling is covered too."""
+    rebound = 0
+    for name, value in list(vars(module).items()):
+        if value is numpy or value is numpy.load:
+            setattr(module, name, NumpyWithoutPickle("numpy") if value is numpy else NumpyWithoutPickle.load)
+            rebound += 1
+    if not rebound:
+        raise ImportError(f"{module.__name__} holds no numpy to give a load without pickle; this megatron-core "
+                          "version reads its index cache some other way, update trainer/data/mcore.py")
+
+
 def checked_subclass(base: type, method: str, check) -> type:
     """`base` under its own name, whose `method` (building or loading its index arrays) checks what it returns."""
     def build_and_check(self):
@@ -49,11 +62,11 @@ def megatron_datasets() -> types.SimpleNamespace:
         from megatron.core.datasets import blended_dataset, blended_megatron_dataset_builder, gpt_dataset
         from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
         from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-    without_pickle = NumpyWithoutPickle("numpy")
-    blended_dataset.numpy = gpt_dataset.numpy = without_pickle
+    for module in (blended_dataset, gpt_dataset):
+        load_without_pickle(module)
     # The builder constructs BlendedDataset by this module-level name (and checks instances against it).
     blended_megatron_dataset_builder.BlendedDataset = checked_subclass(
-        blended_dataset.BlendedDataset, "_build_indices", check_blend_indices)
+        blended_megatron_dataset_builder.BlendedDataset, "_build_indices", check_blend_indices)
     return types.SimpleNamespace(
         BlendedMegatronDatasetBuilder=blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder,
         GPTDataset=checked_subclass(gpt_dataset.GPTDataset, "_build_document_sample_shuffle_indices", check_gpt_indices),
