@@ -316,6 +316,22 @@ def test_prepared_files_replace_a_link_or_refuse_it_and_leave_its_target_alone(t
     assert victim.read_text() == "precious"
 
 
+def test_links_at_the_preparation_lock_and_the_writers_lock_are_removed_never_followed(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("the king speaks to the queen at night\n" * 50)
+    out, outside = tmp_path / "cache", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    (out / ".prepared.lock").symlink_to(outside / "lock")
+    prepare_text_corpus([tmp_path / "texts"], out / "prepared", 300)
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / shards.WRITERS_LOCK).symlink_to(outside / "writers")
+    shards.wait_for_writers(build)
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == ["prepared"]
+    assert list(build.iterdir()) == []
+
+
 def test_data_tokenizer_is_read_only_as_a_regular_file(tiny_dataset, tmp_path):
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("the king speaks\n")

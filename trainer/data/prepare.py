@@ -4,6 +4,7 @@ directory atomically. A killed preparation leaves `.NAME.partial` beside NAME, h
 finished shards, and the next preparation of NAME continues from there."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -197,7 +198,7 @@ def preparation_lock(out_dir: Path) -> Iterator[None]:
     the file when it is done, so a waiter that wakes on a deleted file takes the lock again on the new one."""
     path = out_dir.parent / f".{out_dir.name}.lock"
     while True:
-        with open(path, "a+") as lock:
+        with open_lock_file(path) as lock:
             if not _flock(lock, path, out_dir):
                 yield
                 return
@@ -207,6 +208,17 @@ def preparation_lock(out_dir: Path) -> Iterator[None]:
                 finally:
                     path.unlink(missing_ok=True)
                 return
+
+
+def open_lock_file(path: Path):
+    """`path` opened (created if missing) to lock; a link planted there is removed, never followed."""
+    while True:
+        try:
+            return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+b")
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            path.unlink()
 
 
 def _flock(lock, path: Path, out_dir: Path) -> bool:

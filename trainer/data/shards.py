@@ -184,14 +184,22 @@ def write_shards(jobs: list[ShardJob], workers: int, tokenizer: Tokenizer, total
 
 def wait_for_writers(build_dir: Path) -> None:
     """Before a build directory is continued or removed: wait until no worker of an earlier preparation (one
-    killed before its workers, where no parent-death signal stops them) still holds writers.lock."""
+    killed before its workers, where no parent-death signal stops them) still holds writers.lock, then remove
+    it (or a link planted at its name), so the next workers create their own."""
+    path = build_dir / WRITERS_LOCK
     try:
-        fd = os.open(build_dir / WRITERS_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:  # no workers ever ran there (or a link at the name, which start_or_continue removes)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:  # no workers ever ran there
+        return
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        path.unlink()
         return
     try:
         take_flock(fd, fcntl.LOCK_EX, f"waiting for the worker processes of an earlier preparation, still "
                                       f"writing in {build_dir}")
+        path.unlink()
     finally:
         os.close(fd)
 
