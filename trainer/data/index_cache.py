@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.format import DataError
+from trainer.data.format import DataError, one_line
 
 # Each role's dimensions and integer dtypes, as megatron-core writes them (gpt_dataset.py, blended_dataset.py).
 ROLES = {
@@ -74,7 +74,9 @@ def load_index_array(path: str | Path, mmap_mode: str | None = None) -> np.ndarr
     try:
         array = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
     except Exception as error:  # whatever the bytes make numpy raise: no magic, pickled objects, a bad header, cut short
-        raise cache_error(path, f"not a readable .npy array ({str(error).splitlines()[0]})") from None
+        # numpy's own message about pickles suggests loading the file unsafely; it is never loaded.
+        reason = "it holds pickled objects" if "pickle" in str(error) else one_line(error)
+        raise cache_error(path, f"not a readable .npy array ({reason}), never unpickled") from None
     if array.dtype.name not in dtypes or array.ndim != ndim or (ndim == 2 and array.shape[1] != 2):
         raise cache_error(path, f"a {array.dtype} array of shape {array.shape}, not the {ndim}-D "
                                 f"{' or '.join(dtypes)} array{' of pairs' if ndim == 2 else ''} of its role")
