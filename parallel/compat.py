@@ -9,8 +9,15 @@ import dataclasses
 import functools
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.fsdp import _common_utils as fsdp_common
-from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+# Functional collectives that carry gradients: torch 2.13 named them *_single_autograd and deprecated the
+# *_tensor_autograd names (a FutureWarning on every call since), which are all 2.11 and 2.12 have. Same
+# arguments (tensor, dim, group) and the same results.
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+reduce_scatter_autograd = (getattr(funcol, "reduce_scatter_single_autograd", None)
+                           or funcol.reduce_scatter_tensor_autograd)
 
 
 def _grad_tensors(output, found: list[torch.Tensor]) -> None:
@@ -38,6 +45,8 @@ def fsdp_hooks_reach_dataclass_outputs() -> None:
     0`). On 2.11 the hooks are registered the way 2.12 does; on later releases nothing changes."""
     if hasattr(fsdp_common, "collect_grad_tensors"):
         return
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # 2.11's private home of the hook
+
     flat_outputs_only = FSDPState._register_pre_backward_hook
 
     def register_pre_backward_hook(self, output):

@@ -28,6 +28,7 @@ from torch.distributed import _functional_collectives as funcol
 from model.decoder import Decoder
 from model.kda import KimiDeltaAttention
 from model.mla import MultiHeadLatentAttention
+from parallel.compat import all_gather_autograd
 from parallel.dims import Layout
 
 
@@ -39,7 +40,7 @@ class ContextSplit:
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """(...) -> (size, ...): every rank's x, in slice order."""
-        return funcol.all_gather_single_autograd(x.unsqueeze(0).contiguous(), 0, self.group)
+        return all_gather_autograd(x.unsqueeze(0).contiguous(), 0, self.group)
 
     def previous_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
         tails = self._gather(x[:, x.shape[1] - n:])  # (size, B, n, D)

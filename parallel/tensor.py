@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # private: pinned torch (setup.py)
 
@@ -30,6 +29,7 @@ from model.kda import KimiDeltaAttention
 from model.mla import MultiHeadLatentAttention
 from model.mlp import SwiGLU
 from model.moe import MoE
+from parallel.compat import all_gather_autograd, reduce_scatter_autograd
 from parallel.dims import Layout
 
 
@@ -115,12 +115,12 @@ class Shards:
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T/tp, ...) -> (B, T, ...); backward reduce-scatters the gradient."""
-    return funcol.all_gather_single_autograd(x.contiguous(), 1, group)
+    return all_gather_autograd(x.contiguous(), 1, group)
 
 
 def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums (B, T, ...) -> this rank's summed slice (B, T/tp, ...); backward all-gathers."""
-    return funcol.reduce_scatter_single_autograd(x.contiguous(), "sum", 1, group)
+    return reduce_scatter_autograd(x.contiguous(), "sum", 1, group)
 
 
 def local_sequence(x: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -36,6 +36,7 @@ def main() -> None:
         run = subprocess.run([*PYTEST, "--collect-only"], env=env, capture_output=True, text=True)
     else:
         env["KERNEL_TEST_DEVICE"] = "cuda"
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or WORKERS) // WORKERS))  # the references' CPU work
         run = subprocess.run([*PYTEST, "-n", str(WORKERS)], env=env, capture_output=True, text=True)
     (args.out / "pytest.log").write_text(run.stdout + run.stderr)
     tally = counts(run.stdout)
