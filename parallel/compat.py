@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.fsdp import _common_utils as fsdp_common
+from torch.nn.parallel import DistributedDataParallel
 
 # Functional collectives that carry gradients: torch 2.13 named them *_single_autograd and deprecated the
 # *_tensor_autograd names (a FutureWarning on every call since), which are all 2.11 and 2.12 have. Same
@@ -59,3 +61,11 @@ def fsdp_hooks_reach_dataclass_outputs() -> None:
         return output
 
     FSDPState._register_pre_backward_hook = register_pre_backward_hook
+
+
+# DDP's switch for broadcasting buffers at each forward: torch 2.13 added `forward_sync_buffers` and
+# deprecated `broadcast_buffers`, the only one 2.11 and 2.12 have. The old switch also leaves buffers out
+# of the initial sync, which changes nothing here: every rank builds the same buffers from the same seed.
+DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                              else {"broadcast_buffers": False})

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from model.decoder import Decoder
 from model.documents import document_starts
 from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from parallel.dims import DistInfo, Layout
 from parallel.expert import expert_param_names
 from parallel.gradients import all_reduce, clip_grad_norm, finish_gradients
@@ -100,7 +101,7 @@ class DataParallelEngine:
             # device_ids=None on CUDA too (a single-device module: DDP takes its device, and the batches
             # are already there), so the CPU tests run the same construction as a GPU job.
             self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_cp_group,
-                                                   forward_sync_buffers=False)
+                                                   **DDP_NO_FORWARD_BUFFER_SYNC)
         self.grads_dp_averaged = self.wrapped is not self.model or layout.fsdp > 1
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
