@@ -58,6 +58,9 @@ class TrainConfig:
     trainable: str = "all"            # all | residual (depth reads only) | norms (RMSNorm gains only); trainer/retrofit.py
     unfreeze_after: int | None = None  # every parameter trains after this many steps; null: never
     hang_after_s: float | None = None  # a step running longer dumps every thread's stack (trainer/hang.py); null: 10x the median step, >= 300 s
+    eval_tasks: list[str] = field(default_factory=list)  # lm_eval tasks run on the live model (trainer/downstream.py)
+    eval_tasks_every: int | None = None  # steps between them (and at the last step); null: train.eval_every
+    eval_tasks_limit: float | None = None  # examples per task (a fraction below 1: that share); null: all
 
 
 @dataclass
@@ -256,6 +259,8 @@ def validate(cfg: Config) -> Config:
         if not torch.cuda.is_available():
             raise ConfigError("checkpoint.async_mode=async_pinned stages into pinned host memory, which needs a CUDA "
                               "device; this machine has none: use checkpoint.async_mode=async")
+    if cfg.train.eval_tasks:
+        _resolve_eval_tasks(cfg.train.eval_tasks)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"resume={cfg.resume!r} is neither auto, never nor an existing checkpoint path")
     return cfg
@@ -325,6 +330,7 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"train.stop_after={t.stop_after} must be a positive number of steps or null")
     if t.hang_after_s is not None and not 0 < t.hang_after_s < math.inf:
         raise ConfigError(f"train.hang_after_s={t.hang_after_s} must be a positive finite number of seconds or null")
+    _validate_eval_tasks(cfg)
     p = cfg.parallel
     if p.dp is not None and p.dp < 1:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
@@ -342,6 +348,46 @@ def check_values(cfg: Config) -> Config:
     _validate_throughput_options(cfg)
     _validate_retrofit_options(cfg)
     return cfg
+
+
+# -- lm_eval tasks during training (train.eval_tasks; trainer/downstream.py) ------------------------------
+
+# The layouts whose rank 0 holds the whole model: one process, or replicas of it (dp).
+SHARDING_DEGREES = ("fsdp", "pp", "tp", "ep", "cp")
+
+
+def _validate_eval_tasks(cfg: Config) -> None:
+    t, p = cfg.train, cfg.parallel
+    if not all(isinstance(name, str) and name.strip() for name in t.eval_tasks):
+        raise ConfigError(f"train.eval_tasks={list(t.eval_tasks)} has an empty name; give lm_eval task or group "
+                          "names, e.g. [attnres_local]")
+    if t.eval_tasks_every is not None and t.eval_tasks_every < 1:
+        raise ConfigError(f"train.eval_tasks_every={t.eval_tasks_every} must be a positive number of steps or null "
+                          "(null: every train.eval_every steps)")
+    limit = t.eval_tasks_limit
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
+        raise ConfigError(f"train.eval_tasks_limit={limit} must be a whole number >= 1 (examples per task), a "
+                          "fraction in (0, 1), or null for all")
+    sharded = [f"parallel.{key}={getattr(p, key)}" for key in SHARDING_DEGREES if getattr(p, key) > 1]
+    if t.eval_tasks and sharded:
+        raise ConfigError(f"train.eval_tasks runs on rank 0's whole model, which {', '.join(sharded)} splits "
+                          "across ranks; evaluate such a run's exports with python -m trainer.evaluate, or train "
+                          "on one process or data-parallel replicas")
+
+
+def _resolve_eval_tasks(names: list[str]) -> None:
+    """Every name of train.eval_tasks known to lm_eval (configs/eval/tasks first), before any training."""
+    try:
+        from trainer.lm_tasks import LOCAL_TASKS, task_manager_for
+    except ImportError as error:
+        raise ConfigError(f"train.eval_tasks needs lm-evaluation-harness ({error}); install the eval extra: "
+                          "pip install -e '.[eval]'") from None
+    from trainer.lm_eval_model import LMEvalError
+
+    try:
+        task_manager_for(names, LOCAL_TASKS, key="train.eval_tasks")
+    except LMEvalError as error:
+        raise ConfigError(str(error)) from None
 
 
 # -- retrofitting (init_from, train.trainable, train.unfreeze_after; trainer/retrofit.py) ----------------

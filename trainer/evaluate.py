@@ -31,14 +31,12 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
 """
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import lm_eval
 import torch
 import torch.nn.functional as F
 
@@ -48,10 +46,10 @@ from trainer.data import BlendSamples, default_cache_dir, resolve_blend
 from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, sha256_file, verify_dataset
 from trainer.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
 from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
-from trainer.lm_eval_model import AttnResLM, pick_device
+from trainer.lm_eval_model import AttnResLM, LMEvalError, pick_device
+from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 from trainer.safe_io import write_file
 
-LOCAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "eval" / "tasks"
 FUNCTION_TAG = "!function"
 INCLUDE_LINE = re.compile(r"^\s*include:\s*(\S+)", re.MULTILINE)
 PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
@@ -169,30 +167,6 @@ def task_yamls(directory: Path) -> list[Path]:
     return sorted(found)
 
 
-def task_manager_for(names: list[str], include_path: Path):
-    """The lm_eval TaskManager that knows every name. Indexing lm_eval's own catalogue (some 15,000 YAMLs)
-    takes about ten seconds, so it is read only when a name is not among the local tasks."""
-    # Imported here: lm_eval's task machinery (datasets, ...) takes seconds to import, which --help, a
-    # perplexity-only run and a bad-input error need not wait for (lm_eval.simple_evaluate loads it on use too).
-    from lm_eval.tasks import TaskManager
-
-    local = TaskManager(include_path=str(include_path), include_defaults=False)
-    if all(name in local.all_tasks for name in names):
-        return local
-    manager = TaskManager(include_path=str(include_path))
-    unknown = [unknown_name(name, manager.all_tasks) for name in names if name not in manager.all_tasks]
-    if unknown:
-        raise EvaluateError(f"tasks: unknown {', '.join(unknown)}; the local tasks in {include_path} are "
-                            f"{', '.join(local.all_tasks)}, and `lm-eval ls tasks` lists lm_eval's own")
-    return manager
-
-
-def unknown_name(name: str, known: list[str]) -> str:
-    """`name`, with the known name it is most likely a typo of."""
-    close = difflib.get_close_matches(name, known, n=1)
-    return f"{name} (did you mean {close[0]}?)" if close else name
-
-
 @torch.no_grad()
 def dataset_perplexity(lm: AttnResLM, samples: BlendSamples, cfg: Config, batch_size: int) -> dict:
     """Mean loss over every validation sample of train.seq_len predictions (the trainer's validation samples,
@@ -211,35 +185,6 @@ def dataset_perplexity(lm: AttnResLM, samples: BlendSamples, cfg: Config, batch_
     loss = nll / tokens
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": nll / (math.log(2) * text_bytes),
             "tokens": tokens, "bytes": text_bytes}
-
-
-def number_or_none(value) -> float | None:
-    """lm_eval writes "N/A" for a stderr it could not compute."""
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def task_metrics(results: dict) -> dict:
-    """lm_eval's {"acc,none": value, "acc_stderr,none": stderr, ...} per task or group -> {"acc": {"value",
-    "stderr"}}; a metric under a filter other than lm_eval's "none" keeps the filter: "exact_match,strict"."""
-    tables = {}
-    for task, entries in results["results"].items():
-        metrics = {}
-        for key, value in entries.items():
-            metric, _, filter_name = key.partition(",")
-            if not filter_name or metric.endswith("_stderr"):
-                continue
-            name = metric if filter_name == "none" else key
-            metrics[name] = {"value": number_or_none(value),
-                             "stderr": number_or_none(entries.get(f"{metric}_stderr,{filter_name}"))}
-        if metrics:  # a group that aggregates nothing has no row of its own: its tasks have theirs
-            tables[task] = {"metrics": metrics, "samples": results.get("n-samples", {}).get(task, {}).get("effective")}
-    return tables
-
-
-def run_tasks(lm: AttnResLM, names: list[str], manager, args: EvaluateArgs, limit) -> dict:
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
-                                      limit=limit, log_samples=False)
-    return task_metrics(results)
 
 
 def table(report: dict) -> str:
@@ -280,7 +225,7 @@ def run(args: EvaluateArgs) -> str:
 
     lm = AttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
                    device=device)
-    tasks = run_tasks(lm, task_names, manager, args, limit) if task_names else {}
+    tasks = run_tasks(lm, task_names, manager, limit, args.num_fewshot) if task_names else {}
     perplexity = {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()}
     report = {"export": str(export_dir.resolve()), "step": read_export_config(export_dir).get("step"),
               "tasks": tasks, "perplexity": perplexity,
@@ -296,7 +241,8 @@ def parse(argv: list[str]) -> EvaluateArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, __doc__, lambda args: run(parse(args)), (EvaluateError, GenerateError, ExportError, DataError))
+    run_cli(argv, __doc__, lambda args: run(parse(args)),
+            (EvaluateError, LMEvalError, GenerateError, ExportError, DataError))
 
 
 if __name__ == "__main__":

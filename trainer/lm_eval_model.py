@@ -1,10 +1,11 @@
-"""An exported model inside lm-evaluation-harness: `AttnResLM`, registered as lm_eval model "attnres".
+"""Our model inside lm-evaluation-harness: `AttnResLM`, registered as lm_eval model "attnres".
 
-Built from an export directory (`AttnResLM.from_export(EXPORT_DIR)`, or, once this module is imported,
-lm_eval's `simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`), which is loaded
-as trainer.generate loads it (safetensors and JSON only, checked against its fingerprint and trained
-context), or from a model already in memory (`AttnResLM(model, tokenizer, seq_len)`).
-`python -m trainer.evaluate` is the command line over it.
+Built from a model in memory (`AttnResLM(model, tokenizer, seq_len)`: the trainer's live model for
+train.eval_tasks), or from an export directory (`AttnResLM.from_export(EXPORT_DIR)`, or, once this module is
+imported, lm_eval's `simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`), which
+is loaded as trainer.generate loads it (safetensors and JSON only, checked against its fingerprint and trained
+context). Only from_export reads exports, and it imports what reads them itself, so the adapter over a model in
+memory needs none of it. `python -m trainer.evaluate` is the command line over it.
 
 Scoring is exact under batching: the model is causal, and nothing in it (depth attention, MoE routing, norms,
 MLA without positional encoding, KDA) mixes a token with a later one, so right-padding a batch leaves every
@@ -26,13 +27,16 @@ from tqdm import tqdm
 
 from model.generation import generate
 from trainer.data.format import EOT_TOKEN
-from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
 
 # lm_eval's own default for a generation task that names no max_gen_toks.
 DEFAULT_MAX_GEN_TOKS = 256
 # What generate_until can honour: stop strings, a token budget, greedy decoding or temperature/top-p sampling
 # (normalize_gen_kwargs turns max_new_tokens and the other aliases into max_gen_toks).
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
+
+
+class LMEvalError(ValueError):
+    """Bad input to the attnres LM or to the tasks it runs; the message is one line."""
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -42,9 +46,9 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     try:
         picked = torch.device(device)
     except RuntimeError:
-        raise GenerateError(f"device={device} is not a torch device; give auto, cpu, cuda or cuda:N") from None
+        raise LMEvalError(f"device={device} is not a torch device; give auto, cpu, cuda or cuda:N") from None
     if picked.type == "cuda" and not torch.cuda.is_available():
-        raise GenerateError(f"device={device} but torch sees no CUDA device here; give device=cpu or auto")
+        raise LMEvalError(f"device={device} but torch sees no CUDA device here; give device=cpu or auto")
     return picked
 
 
@@ -55,7 +59,7 @@ def positive_int(name: str, value) -> int:
     except (TypeError, ValueError):
         number = 0
     if number < 1 or str(number) != str(value).strip():
-        raise GenerateError(f"{name}={value} must be a positive integer")
+        raise LMEvalError(f"{name}={value} must be a positive integer")
     return number
 
 
@@ -82,11 +86,11 @@ class AttnResLM(TemplateLM):
         self._batch_size = positive_int("batch_size", batch_size)
         self._max_length = seq_len if max_length is None else positive_int("max_length", max_length)
         if self._max_length > seq_len:
-            raise GenerateError(f"max_length={max_length} is beyond the trained context of {seq_len} tokens "
+            raise LMEvalError(f"max_length={max_length} is beyond the trained context of {seq_len} tokens "
                                 f"(train.seq_len); give at most {seq_len}")
         eot = tokenizer.token_to_id(EOT_TOKEN)
         if eot is None:
-            raise GenerateError(f"the tokenizer has no {EOT_TOKEN} token, which ends every training document; "
+            raise LMEvalError(f"the tokenizer has no {EOT_TOKEN} token, which ends every training document; "
                                 "give the tokenizer the model was trained with")
         self._eot_token_id = eot
         self.tokenizer = tokenizer
@@ -98,6 +102,10 @@ class AttnResLM(TemplateLM):
                     device: str | None = None, tokenizer: str | None = None) -> "AttnResLM":
         """The export directory `pretrained` (trainer.export's native format); `tokenizer` a tokenizer.json to
         use instead of the export's own."""
+        # Imported here: reading exports is for evaluating after training, which the adapter over a live model
+        # (the trainer's) does not need.
+        from trainer.generate import export_config, find_export, load_exported_model, load_tokenizer
+
         export_dir = find_export("pretrained", str(pretrained))
         cfg = export_config(export_dir, None)
         text_tokenizer = load_tokenizer(tokenizer, export_dir, cfg)

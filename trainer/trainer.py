@@ -113,6 +113,7 @@ class Trainer:
         retrofit.check_layout(train, cfg.init_from, info.world_size, parallel.tp, parallel.fsdp)
         self._check_resume_target()
         self._open_data()
+        self.downstream = self._downstream_evaluation()
         torch.manual_seed(cfg.seed)  # identical random streams on every rank
         self.precision = resolve_precision(train.precision, info.device)
         # Built on meta: each engine materialises only this rank's part, with the weights one process
@@ -186,6 +187,15 @@ class Trainer:
         self.samples = samples if samples is not None else open_data()
         self.tokenizer_file = self.samples.blend.tokenizer_file
         self.samples.build_for_run(cfg.train.steps, cfg.train.global_batch)  # on every rank at once: collective
+
+    def _downstream_evaluation(self):
+        """train.eval_tasks' evaluation (trainer/downstream.py), None without tasks."""
+        if not self.cfg.train.eval_tasks:
+            return None
+        # Imported here: lm-evaluation-harness is the eval extra, which a run without train.eval_tasks needs not.
+        from trainer.downstream import DownstreamEvaluation
+
+        return DownstreamEvaluation(self.cfg.train, self.tokenizer_file, self.info.is_main)
 
     def _document_boundary(self) -> int | None:
         """The end-of-text id documents are masked at (data.document_masking), from the dataset's manifest."""
@@ -400,6 +410,8 @@ class Trainer:
                     path = self.save()
                     log.print(f"checkpoint {path}" + (" writing in the background" if self.saver.in_flight else ""))
                 watchdog.finish()
+                if self.downstream is not None and self.downstream.due(self.step):
+                    self._evaluate_tasks(log, record["tokens"])
                 if stopping:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
@@ -552,6 +564,23 @@ class Trainer:
         if self.layout.dp_group is not None:
             torch.distributed.all_reduce(totals, group=self.layout.dp_group)
         return (totals[0] / totals[1]).item()
+
+    def _evaluate_tasks(self, log: MetricsLogger, tokens: int) -> None:
+        """train.eval_tasks on the live model, after the step's checkpoint and outside the hang watchdog's
+        step (a long evaluation is no hang); its metrics get a row of their own at this step. The RNGs are
+        put back as they were, so training goes on as it would have without it."""
+        state = rng_state()
+        try:
+            with self._autocast():
+                metrics = self.downstream.run(self.model)
+        finally:
+            set_rng_state(state)
+            self.model.train()
+        if metrics:
+            log.log({"step": self.step, "tokens": tokens, **metrics})
+            scores = ", ".join(f"{key.removeprefix('eval/')} {value:.4f}" for key, value in metrics.items()
+                               if key.startswith("eval/") and value is not None)
+            log.print(f"eval tasks at step {self.step}: {scores} ({metrics['eval_tasks_time_s']:.1f} s)")
 
     def save(self) -> Path:
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state(),

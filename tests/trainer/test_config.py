@@ -88,6 +88,10 @@ def test_keys_missing_from_a_preset_file_still_override(overrides, expected):
     ("data.tokenizer=", "data.tokenizer='' is empty"),
     ("init_from=", "init_from='' is empty"),
     ("resume=", "resume='' is empty"),
+    ("train.eval_tasks=['']", "train.eval_tasks=[''] has an empty name"),
+    ("train.eval_tasks_every=0", "train.eval_tasks_every=0 must be a positive number of steps or null"),
+    ("train.eval_tasks_limit=2.5", "train.eval_tasks_limit=2.5 must be a whole number >= 1 (examples per task), a "
+                                   "fraction in (0, 1), or null"),
 ])
 def test_invalid_value_fails_with_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as error:
@@ -95,6 +99,13 @@ def test_invalid_value_fails_with_one_clear_line(override, fragment):
     message = str(error.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def test_eval_tasks_are_refused_on_layouts_that_split_the_model():
+    """Rank 0 evaluates its whole model; the refusal comes before lm_eval is asked about the names."""
+    with pytest.raises(ConfigError, match=r"^train.eval_tasks runs on rank 0's whole model, which parallel.pp=2, "
+                                          r"parallel.tp=2 splits across ranks; evaluate such a run's exports"):
+        load_config(["parallel.pp=2", "parallel.tp=2", "train.eval_tasks=[attnres_local,no_such_task]"])
 
 
 @pytest.mark.parametrize("precision, device, dtype", [

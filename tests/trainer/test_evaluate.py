@@ -14,6 +14,7 @@ import torch
 from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
+import trainer.check
 import trainer.evaluate
 from conftest import cli_error, fast_train_overrides
 from model.generation import generate
@@ -23,7 +24,7 @@ from trainer.data.format import read_manifest
 from trainer.evaluate import main
 from trainer.export import export
 from trainer.generate import GenerateError
-from trainer.lm_eval_model import AttnResLM
+from trainer.lm_eval_model import AttnResLM, LMEvalError
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +129,7 @@ def test_generation_kwargs_it_cannot_honour_are_refused(lm):
 
 
 def test_max_length_beyond_the_trained_context_is_refused(lm):
-    with pytest.raises(GenerateError, match=f"max_length=64 is beyond the trained context of {SEQ_LEN}"):
+    with pytest.raises(LMEvalError, match=f"max_length=64 is beyond the trained context of {SEQ_LEN}"):
         AttnResLM(lm.model, lm.tokenizer, SEQ_LEN, max_length=64)
 
 
@@ -202,9 +203,14 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(trainer.evaluate, "load_exported_model", refuse)
 
 
-def test_an_unknown_task_is_one_line(export_dir, capsys, no_model_load):
+def test_an_unknown_task_is_one_line(export_dir, tmp_path, capsys, no_model_load):
+    """From the CLI, and from train.eval_tasks in the pre-flight before torchrun starts a rank (lm_eval's catalogue,
+    indexed once per process, serves both)."""
     err = cli_error(capsys, main, [f"model={export_dir}", "tasks=attnres_mc_words,hellaswg,no_such_task_at_all"])
     assert "unknown hellaswg (did you mean hellaswag?), no_such_task_at_all;" in err and "attnres_local" in err
+    err = cli_error(capsys, trainer.check.main, [f"run.dir={tmp_path / 'run'}", "train.eval_tasks=[attnres_locl]"])
+    assert err.startswith("error: train.eval_tasks: unknown attnres_locl (did you mean attnres_local?);")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def metrics(run_dir):
 
 
 def losses(run_dir):
-    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}  # train.eval_tasks rows have none
 
 
 BF16 = {"train.precision": "bf16"}
@@ -128,30 +128,47 @@ def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
         train(fast_train_overrides(run, tiny_dataset, steps=6, resume="never"))
 
 
+# lm_eval's local tasks on the live model at steps 3 and 6, 8 examples each (about a second a time).
+EVAL_TASKS = {"train.eval_tasks": "[attnres_local]", "train.eval_tasks_every": 3, "train.eval_tasks_limit": 8}
+
+
+def task_rows(run_dir) -> dict:
+    """{step: {"eval/<task>/<metric>": value}} of the run's train.eval_tasks rows."""
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in metrics(run_dir)
+            if "eval_tasks_time_s" in r}
+
+
 PLANTED_HANG = {"train.steps": 2, "train.hang_after_s": 1.5, "debug.sleep_at_step": 2, "debug.sleep_s": 3,
                 "debug.sleep_rank": 1}
 
 
 @pytest.fixture(scope="module")
 def ddp_launch(tmp_path_factory, tiny_dataset):
-    """One 2-rank launch for the DDP tests: a run; a run stopped after 3 steps and resumed (in processes whose
-    RNGs have moved on since); a run whose rank 1 sleeps inside step 2 (hang diagnosis). Returns the run
-    directories and the CompletedProcess."""
+    """One 2-rank launch for the DDP tests: a run with train.eval_tasks; a run stopped after 3 steps and resumed
+    (in processes whose RNGs have moved on since); a run whose rank 1 sleeps inside step 2 (hang diagnosis).
+    Returns the run directories and the CompletedProcess."""
     root = tmp_path_factory.mktemp("ddp_launch")
     ddp, ddp_resumed, hang = root / "ddp", root / "ddp_resumed", root / "hang"
     result = torchrun_runs([fast_train_overrides(run, tiny_dataset, steps=6, **extra) for run, extra in
-                            [(ddp, {}), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {}),
+                            [(ddp, EVAL_TASKS), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {}),
                              (hang, PLANTED_HANG)]], root)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"ddp": ddp, "ddp_resumed": ddp_resumed, "hang": hang}, result
 
 
 def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, ddp_launch):
+    """Both runs evaluate lm_eval's tasks on the live model at steps 3 and 6: the same scores at the same steps,
+    and training goes on as in the run without them (ddp_resumed), bitwise."""
     single = tmp_path / "single"
-    train(fast_train_overrides(single, tiny_dataset, steps=6))
+    train(fast_train_overrides(single, tiny_dataset, steps=6, **EVAL_TASKS))
     runs, _ = ddp_launch
     one, two, two_resumed = losses(single), losses(runs["ddp"]), losses(runs["ddp_resumed"])
     assert two == two_resumed  # DDP resume is bitwise too
+    scores = task_rows(single)
+    assert sorted(scores) == [3, 6] and set(scores[6]) == {
+        "eval/attnres_mc_words/acc", "eval/attnres_mc_words/acc_norm", "eval/attnres_gen_words/exact_match"}
+    assert task_rows(runs["ddp"]) == scores
+    assert "eval tasks at step 6: attnres_mc_words/acc" in (single / "train.log").read_text()
     # Same global batch, gradients averaged over 2 ranks instead of accumulated in one: equal up to
     # float summation order.
     assert sorted(one) == sorted(two)
