@@ -21,19 +21,18 @@ from parallel.dims import DistInfo, Layout
 from parallel.expert import expert_param_names
 from parallel.gradients import all_reduce, clip_grad_norm, finish_gradients
 from parallel.parallelize import materialise_parallel
-from parallel.tensor import Shards, local_sequence
+from parallel.tensor import local_sequence
 
 
 class Engine(Protocol):
     """What the trainer may ask of an engine. `model` is this rank's Decoder (all of it, or the parts its
     pipeline chunks run, with its tp/ep slices and FSDP's DTensor shards): the optimizer and checkpoints use
-    it, and its parameter names are the single-process names in every layout. `shards` says which parameters
-    are tp/ep slices of larger ones. `document_boundary`: the end-of-text id with document masking, None
+    it, and its parameter names are the single-process names in every layout; a tp/ep slice of a larger
+    parameter says so itself (parallel/placement.py). `document_boundary`: the end-of-text id with document masking, None
     without."""
 
     model: Decoder
     layout: Layout
-    shards: Shards
     document_boundary: int | None
 
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
@@ -90,14 +89,14 @@ class DataParallelEngine:
 
     def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
         self.info, self.layout = info, layout
-        self.shards = materialise_parallel(model, info, layout, seed, precision)
+        materialise_parallel(model, info, layout, seed, precision)
         self.model = self.wrapped = model
         self.lockstep = layout.ep > 1 or layout.fsdp > 1
         if layout.dp_cp > 1 and layout.fsdp == 1:
             # Experts are averaged over their own ranks (finish_gradients). Buffers need no sync per
             # forward: the MoE bias moves the same way everywhere, and syncing would overwrite the
             # per-rank expert load counts between micro-batches.
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(self.shards))
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
             # device_ids=None on CUDA too (a single-device module: DDP takes its device, and the batches
             # are already there), so the CPU tests run the same construction as a GPU job.
             self.wrapped = DistributedDataParallel(model, device_ids=None, process_group=layout.dp_cp_group,
@@ -122,7 +121,7 @@ class DataParallelEngine:
                 loss = cross_entropy(logits, targets)
                 ((loss + self.model.aux_loss().to(loss.device)) / (len(micro_batches) * tp)).backward()
             total += loss.detach()
-        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.grads_dp_averaged)
+        finish_gradients(self.model, self.layout, dp_averaged=self.grads_dp_averaged)
         total = all_reduce(total / (len(micro_batches) * tp), self.layout.tp_group)
         return all_reduce(total, self.layout.dp_cp_group) / self.layout.dp_cp
 
@@ -145,7 +144,7 @@ class DataParallelEngine:
         return totals[0].item(), int(totals[1].item())
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, max_norm, self.layout, self.shards)
+        return clip_grad_norm(self.model, max_norm, self.layout)
 
     def comm_report(self) -> dict | None:
         return None
@@ -171,7 +170,7 @@ class PipelineEngine:
         stream_dtype = precision if layout.fsdp > 1 else next(model.parameters()).dtype
         # Pruned to this rank's chunks while still on meta: it never allocates the other stages' weights.
         chunks = build_chunks(model, self.plan, layout.pp_rank, stream_dtype)
-        self.shards = materialise_parallel(model, info, layout, seed, precision, fsdp_roots=chunks)
+        materialise_parallel(model, info, layout, seed, precision, fsdp_roots=chunks)
         # Under cp and tp the stages pass sequence slices (B, T/(cp*tp), d); 1/tp makes the tp ranks' losses sum
         # to their cp slice's mean, and the cp slices' means are averaged with the data ranks'.
         tp = layout.tp
@@ -195,7 +194,7 @@ class PipelineEngine:
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         loss = self.runner.step(*self._local(micro_batches), autocast)
         # FSDP's reduce-scatter already averaged over every data rank (replicas and shards).
-        finish_gradients(self.model, self.layout, self.shards, dp_averaged=self.layout.fsdp > 1)
+        finish_gradients(self.model, self.layout, dp_averaged=self.layout.fsdp > 1)
         return all_reduce(all_reduce(loss, self.layout.tp_group), self.layout.dp_cp_group) / self.layout.dp_cp
 
     @torch.no_grad()
@@ -217,7 +216,7 @@ class PipelineEngine:
         return loss_sum, tokens
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, max_norm, self.layout, self.shards)
+        return clip_grad_norm(self.model, max_norm, self.layout)
 
     def comm_report(self) -> dict:
         """The planned message layout (vectors per token per transition) and the bytes per token the

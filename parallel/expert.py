@@ -16,7 +16,7 @@ from torch.distributed import _functional_collectives as funcol
 from model.decoder import Decoder
 from model.moe import MoE, grouped_swiglu
 from parallel.dims import Layout
-from parallel.tensor import Shards
+from parallel.placement import names_on, place
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
@@ -47,7 +47,7 @@ class ExpertDispatch:
         return funcol.all_to_all_single_autograd(y_recv, send_splits.tolist(), recv_splits.tolist(), self.group)
 
 
-def apply_expert_parallel(model: Decoder, layout: Layout, shards: Shards) -> None:
+def apply_expert_parallel(model: Decoder, layout: Layout) -> None:
     """Keep this rank's share of every MoE layer's routed experts and route through the ep group."""
     if layout.ep == 1:
         return
@@ -55,9 +55,10 @@ def apply_expert_parallel(model: Decoder, layout: Layout, shards: Shards) -> Non
         if not isinstance(block.mlp, MoE):
             continue
         for name in EXPERT_WEIGHTS:
-            shards.add(block.mlp, f"layers.{key}.mlp.", name, 0, "ep", layout.ep_rank, layout.ep)
+            place(block.mlp, f"layers.{key}.mlp.", name, 0, "ep", layout.ep_rank, layout.ep)
         block.mlp.run_experts = ExpertDispatch(block.mlp, layout.ep, layout.ep_group)
 
 
-def expert_param_names(shards: Shards) -> list[str]:
-    return [name for name, (_, kind) in shards.dims.items() if kind == "ep"]
+def expert_param_names(model: Decoder) -> list[str]:
+    """The routed experts' parameters this rank holds a share of (none without ep)."""
+    return names_on(model, "ep")

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from model.decoder import Decoder
 from parallel.dims import Layout
 from parallel.expert import expert_param_names
-from parallel.tensor import Shards, reduce_replicated_grads
+from parallel.placement import placed_parameters
+from parallel.tensor import reduce_replicated_grads
 
 
 def all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -21,12 +22,12 @@ def all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor
     return value
 
 
-def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged: bool) -> None:
+def finish_gradients(model: Decoder, layout: Layout, dp_averaged: bool) -> None:
     """After backward: complete the partial sums over tp, then average over the data-parallel and cp ranks
     (over dp_cp for shared parameters unless DDP or FSDP already did, over the same-expert ranks for experts:
     under ep an expert's gradient already sums its ep group's tokens)."""
-    reduce_replicated_grads(model, shards, layout.tp_group)
-    experts = set(expert_param_names(shards))
+    reduce_replicated_grads(model, layout.tp_group)
+    experts = set(expert_param_names(model))
     for name, p in model.named_parameters():
         if name in experts:
             if p.grad is None:  # no token reached this rank's experts; its peers still reduce
@@ -36,7 +37,7 @@ def finish_gradients(model: Decoder, layout: Layout, shards: Shards, dp_averaged
             all_reduce(p.grad, layout.dp_cp_group).div_(layout.dp_cp)
 
 
-def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shards) -> float:
+def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout) -> float:
     """Norm of the whole model's gradient, then clip to max_norm (0: measure only, as Megatron's
     clip_grad=0): slices are summed over the group that splits them (tp or ep; a DTensor's over the
     mesh dimensions it is sharded along, not those it is replicated over), and the stages' disjoint
@@ -45,14 +46,14 @@ def clip_grad_norm(model: Decoder, max_norm: float, layout: Layout, shards: Shar
     squares = {kind: torch.zeros((), device=device) for kind in ("tp", "ep", None)}
     dtensor_groups = {}  # kind -> the groups its squares are summed over
     grads = []
-    for name, p in model.named_parameters():
+    for _, p, placement in placed_parameters(model):
         if p.grad is None:
             continue
         grads.append(p.grad)
-        grad, kind = p.grad.detach(), shards.kind(name)
+        grad, kind = p.grad.detach(), placement.axis if placement is not None else None
         if isinstance(grad, DTensor):  # FSDP's shard: of a tp slice too under fsdp x tp
             mesh = grad.device_mesh
-            sharded = [i for i, placement in enumerate(grad.placements) if placement.is_shard()]
+            sharded = [i for i, spec in enumerate(grad.placements) if spec.is_shard()]
             tp_slice = kind == "tp"
             kind = tuple(mesh.mesh_dim_names[i] for i in sharded) + (("tp",) if tp_slice else ())
             dtensor_groups.setdefault(kind, [mesh.get_group(i) for i in sharded] + ([layout.tp_group] if tp_slice else []))

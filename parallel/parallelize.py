@@ -23,45 +23,50 @@ from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
 from parallel.fill import fill_shards
 from parallel.fsdp import apply_fsdp
-from parallel.tensor import Shards, apply_tensor_parallel, total_balance_over_sequence
+from parallel.placement import placement_of
+from parallel.tensor import apply_tensor_parallel, total_balance_over_sequence
 
 
-def shard_model(model: Decoder, layout: Layout) -> Shards:
-    """Split the model in place for tp and ep, and link its token mixers over cp (no-ops at 1)."""
-    shards = Shards(mesh=layout.mesh)
-    apply_tensor_parallel(model, layout, shards)
-    apply_expert_parallel(model, layout, shards)
+def shard_model(model: Decoder, layout: Layout) -> None:
+    """Split the model in place for tp and ep (each split parameter records its placement), and link its
+    token mixers over cp (no-ops at 1)."""
+    apply_tensor_parallel(model, layout)
+    apply_expert_parallel(model, layout)
     apply_context_parallel(model, layout)
     total_balance_over_sequence(model, layout)
-    return shards
 
 
 def parallelize(model: Decoder, layout: Layout, precision: torch.dtype,
-                fsdp_roots: list[nn.Module] | None = None) -> Shards:
+                fsdp_roots: list[nn.Module] | None = None) -> None:
     """tp, then ep, then cp, then FSDP2 over `fsdp_roots` (default: the whole model; under pp, this rank's
     chunks, which keep their parameters gathered from a microbatch's forward to its backward). The ep
     slices of the routed experts stay out of FSDP: their ranks already split them, and their gradients
     are averaged over the ranks holding the same experts (finish_gradients)."""
-    shards = shard_model(model, layout)
+    shard_model(model, layout)
     if layout.fsdp > 1:
-        experts = set(expert_param_names(shards))
+        experts = set(expert_param_names(model))
         ignored = {p for name, p in model.named_parameters() if name in experts}
         apply_fsdp(fsdp_roots or [model], layout, precision, ignored, DepthGeometry.of(model.cfg),
                    reshard_after_forward=fsdp_roots is None)
-    return shards
 
 
 def materialise_parallel(model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype,
-                         fsdp_roots: list[nn.Module] | None = None) -> Shards:
+                         fsdp_roots: list[nn.Module] | None = None) -> None:
     """Parallelize `model` and give it its initial weights on the device. A model wholly on the meta
     device is sharded there first, then filled from an unsharded meta copy one init unit at a time
     (parallel.fill), so the host never holds more than one unit beyond this rank's shards; a model
     already (partly) built is completed on the host (model.init.materialise) and sharded as it is."""
     if not all(p.is_meta for p in model.parameters()):
         materialise(model, "cpu", model.cfg.init_stds, seed)
-        return parallelize(model.to(info.device), layout, precision, fsdp_roots)
+        parallelize(model.to(info.device), layout, precision, fsdp_roots)
+        return
     template = copy.deepcopy(model)  # meta: costs nothing
-    shards = parallelize(model, layout, precision, fsdp_roots)
+    parallelize(model, layout, precision, fsdp_roots)
     model.to_empty(device=info.device)
-    fill_shards(model, template, seed, slice_of=functools.partial(shards.local_slice, layout=layout))
-    return shards
+    fill_shards(model, template, seed, slice_of=functools.partial(_local_part, model))
+
+
+def _local_part(model: Decoder, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's tp/ep slice of parameter `name`, given it whole (all of it when it is not split)."""
+    placement = placement_of(model, name)
+    return full if placement is None else placement.local(full)

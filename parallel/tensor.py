@@ -10,19 +10,17 @@ depth merge and the partial-sum update are local. The MoE runs on the rank's own
 
 Parameters stay plain tensors. A sharded one holds its slice (its heads); a replicated one holds a
 full copy whose gradient is a partial sum over the group (each rank saw other tokens or other heads),
-which `Shards.reduce_replicated_grads` completes. The collectives are torch's autograd-aware
+which `reduce_replicated_grads` completes. Where a parameter is split is recorded beside it
+(parallel/placement.py). The collectives are torch's autograd-aware
 functional collectives: gather forward = reduce-scatter backward and vice versa.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard  # private: pinned torch (setup.py)
+from torch.distributed.tensor import DTensor
 
 from model.decoder import Decoder
 from model.kda import KimiDeltaAttention
@@ -31,86 +29,7 @@ from model.mlp import SwiGLU
 from model.moe import MoE
 from parallel.compat import all_gather_autograd, reduce_scatter_autograd
 from parallel.dims import Layout
-
-
-@dataclass
-class Shards:
-    """Which parameters are split across ranks: name -> (dim, mesh dimension "tp" or "ep")."""
-    dims: dict[str, tuple[int, str]] = field(default_factory=dict)
-    mesh: object | None = None  # the layout's DeviceMesh; checkpoints place the slices on it
-    _fsdp_shards: dict = field(default_factory=dict)  # to_checkpoint's (fsdp, tp) DTensors -> FSDP's shards
-
-    def add(self, module: nn.Module, prefix: str, name: str, dim: int, kind: str, rank: int, size: int) -> None:
-        """Replace module.<name> by this rank's slice along dim."""
-        param = getattr(module, name)
-        if param.shape[dim] % size:
-            raise ValueError(f"{prefix}{name} has {param.shape[dim]} rows along dim {dim}, not divisible by {kind}={size}")
-        setattr(module, name, nn.Parameter(param.detach().chunk(size, dim)[rank].clone()))
-        self.dims[prefix + name] = (dim, kind)
-
-    def kind(self, name: str) -> str | None:
-        return self.dims[name][1] if name in self.dims else None
-
-    def local_slice(self, name: str, full: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """This rank's part of `full`, the whole parameter `name`, as `add` cut it (all of a replicated one)."""
-        if name not in self.dims:
-            return full
-        dim, kind = self.dims[name]
-        rank, size = (layout.tp_rank, layout.tp) if kind == "tp" else (layout.ep_rank, layout.ep)
-        return full.chunk(size, dim)[rank]
-
-    def to_checkpoint(self, state: dict) -> dict:
-        """Wrap the slices in a {"model": ..., "optim": ...} state (parameters and their optimizer
-        moments) as DTensors, so DCP saves whole tensors that load into any tp/ep layout."""
-        self._fsdp_shards = {}
-        if not self.dims:
-            return state
-
-        def place(name: str, value):
-            if name not in self.dims or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                return value
-            dim, kind = self.dims[name]
-            if isinstance(value, DTensor):  # FSDP's shard of a tp slice: one DTensor over (fsdp, tp)
-                placed = self._fsdp_and_tp(value, dim)
-                self._fsdp_shards[id(placed)] = value
-                return placed
-            return DTensor.from_local(value, self.mesh[kind], [Shard(dim)], run_check=False)
-
-        state["model"] = {name: place(name, value) for name, value in state["model"].items()}
-        if "optim" in state:
-            state["optim"]["state"] = {name: {key: place(name, value) for key, value in moments.items()}
-                                       for name, moments in state["optim"]["state"].items()}
-        return state
-
-    def _fsdp_and_tp(self, shard: DTensor, dim: int) -> DTensor:
-        """`shard` (FSDP's, rows of this rank's tp slice) as a DTensor of the whole parameter over the
-        (fsdp, tp) mesh, sharing its storage; FSDP's shard dimension is fsdp, or fsdp_cp when it shards
-        over the cp ranks too. FSDP cut the tp slice along dim 0: when tp cut dim 0 too, fsdp's chunks
-        lie inside each tp slice (tp outer), which DTensor calls a strided shard."""
-        shape = list(shard.shape)  # the tp slice
-        shape[dim] *= self.mesh["tp"].size()
-        fsdp_placement = _StridedShard(0, split_factor=self.mesh["tp"].size()) if dim == 0 else Shard(0)
-        fsdp_dim = shard.device_mesh.mesh_dim_names[-1]
-        return DTensor.from_local(shard.to_local(), self.mesh[fsdp_dim, "tp"], [fsdp_placement, Shard(dim)],
-                                  run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-    def from_checkpoint(self, state: dict) -> dict:
-        """Undo to_checkpoint after DCP has loaded into the DTensors: back to this rank's slices (FSDP's
-        shards of them under fsdp x tp, which the (fsdp, tp) DTensors were loaded into in place)."""
-        if not self.dims:
-            return state
-
-        def local(name: str, value):
-            if id(value) in self._fsdp_shards:
-                return self._fsdp_shards[id(value)]
-            # Only the slices: FSDP's own DTensors (fsdp x ep) stay DTensors for set_state_dict.
-            return value.to_local() if name in self.dims and isinstance(value, DTensor) else value
-
-        state["model"] = {name: local(name, value) for name, value in state["model"].items()}
-        if "optim" in state:
-            state["optim"]["state"] = {name: {key: local(name, value) for key, value in moments.items()}
-                                       for name, moments in state["optim"]["state"].items()}
-        return state
+from parallel.placement import place, placed_parameters
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -136,44 +55,44 @@ def _region(module: nn.Module, group) -> None:
     module.register_forward_hook(lambda _, args, output: scatter_sequence(output, group))
 
 
-def _shard_linear(shards: Shards, linear: nn.Linear, prefix: str, dim: int, rank: int, tp: int) -> None:
+def _shard_linear(linear: nn.Linear, prefix: str, dim: int, rank: int, tp: int) -> None:
     """dim 0: column-parallel (output features split); dim 1: row-parallel (input features split)."""
     if dim == 1 and linear.bias is not None:
         raise ValueError(f"{prefix}bias: a row-parallel linear with a bias would add it tp times")
-    shards.add(linear, prefix, "weight", dim, "tp", rank, tp)
+    place(linear, prefix, "weight", dim, "tp", rank, tp)
     if dim == 0 and linear.bias is not None:
-        shards.add(linear, prefix, "bias", 0, "tp", rank, tp)
+        place(linear, prefix, "bias", 0, "tp", rank, tp)
     linear.out_features, linear.in_features = linear.weight.shape
 
 
-def _shard_kda(shards: Shards, attn: KimiDeltaAttention, prefix: str, rank: int, tp: int) -> None:
+def _shard_kda(attn: KimiDeltaAttention, prefix: str, rank: int, tp: int) -> None:
     # q/k/v, beta, the decay's and the gate's second projections are head-major: split rows by head.
     for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
-        _shard_linear(shards, getattr(attn, name), f"{prefix}{name}.", 0, rank, tp)
-    _shard_linear(shards, attn.f_proj[1], f"{prefix}f_proj.1.", 0, rank, tp)
-    _shard_linear(shards, attn.g_proj[1], f"{prefix}g_proj.1.", 0, rank, tp)
+        _shard_linear(getattr(attn, name), f"{prefix}{name}.", 0, rank, tp)
+    _shard_linear(attn.f_proj[1], f"{prefix}f_proj.1.", 0, rank, tp)
+    _shard_linear(attn.g_proj[1], f"{prefix}g_proj.1.", 0, rank, tp)
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):  # depthwise: one filter per channel
         conv = getattr(attn, name)
-        shards.add(conv, f"{prefix}{name}.", "weight", 0, "tp", rank, tp)
+        place(conv, f"{prefix}{name}.", "weight", 0, "tp", rank, tp)
         conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    shards.add(attn, prefix, "A_log", 0, "tp", rank, tp)
-    shards.add(attn, prefix, "dt_bias", 0, "tp", rank, tp)
-    _shard_linear(shards, attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
+    place(attn, prefix, "A_log", 0, "tp", rank, tp)
+    place(attn, prefix, "dt_bias", 0, "tp", rank, tp)
+    _shard_linear(attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
     attn.n_heads //= tp
 
 
-def _shard_mla(shards: Shards, attn: MultiHeadLatentAttention, prefix: str, rank: int, tp: int) -> None:
+def _shard_mla(attn: MultiHeadLatentAttention, prefix: str, rank: int, tp: int) -> None:
     # The kv latent (kv_a_proj, kv_a_norm) is shared by all heads and stays replicated.
-    _shard_linear(shards, attn.q_proj, f"{prefix}q_proj.", 0, rank, tp)
-    _shard_linear(shards, attn.kv_b_proj, f"{prefix}kv_b_proj.", 0, rank, tp)
-    _shard_linear(shards, attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
+    _shard_linear(attn.q_proj, f"{prefix}q_proj.", 0, rank, tp)
+    _shard_linear(attn.kv_b_proj, f"{prefix}kv_b_proj.", 0, rank, tp)
+    _shard_linear(attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
     attn.n_heads //= tp
 
 
-def _shard_swiglu(shards: Shards, mlp: SwiGLU, prefix: str, rank: int, tp: int) -> None:
-    _shard_linear(shards, mlp.gate_proj, f"{prefix}gate_proj.", 0, rank, tp)
-    _shard_linear(shards, mlp.up_proj, f"{prefix}up_proj.", 0, rank, tp)
-    _shard_linear(shards, mlp.down_proj, f"{prefix}down_proj.", 1, rank, tp)
+def _shard_swiglu(mlp: SwiGLU, prefix: str, rank: int, tp: int) -> None:
+    _shard_linear(mlp.gate_proj, f"{prefix}gate_proj.", 0, rank, tp)
+    _shard_linear(mlp.up_proj, f"{prefix}up_proj.", 0, rank, tp)
+    _shard_linear(mlp.down_proj, f"{prefix}down_proj.", 1, rank, tp)
 
 
 class SequenceTotals:
@@ -201,7 +120,7 @@ def total_balance_over_sequence(model: Decoder, layout: Layout) -> None:
             moe.sequence_totals = SequenceTotals(groups, layout.degrees.sequence_ranks)
 
 
-def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> None:
+def apply_tensor_parallel(model: Decoder, layout: Layout) -> None:
     """Split the token mixers and dense MLPs of `model` (in place) over the tp group; the MoE layers keep
     their experts (total_balance_over_sequence sums their balance loss over the group)."""
     if layout.tp == 1:
@@ -210,22 +129,22 @@ def apply_tensor_parallel(model: Decoder, layout: Layout, shards: Shards) -> Non
     for key, block in model.layers.items():
         prefix = f"layers.{key}."
         if isinstance(block.attn, KimiDeltaAttention):
-            _shard_kda(shards, block.attn, prefix + "attn.", rank, tp)
+            _shard_kda(block.attn, prefix + "attn.", rank, tp)
         else:
-            _shard_mla(shards, block.attn, prefix + "attn.", rank, tp)
+            _shard_mla(block.attn, prefix + "attn.", rank, tp)
         _region(block.attn, group)
         if isinstance(block.mlp, SwiGLU):
-            _shard_swiglu(shards, block.mlp, prefix + "mlp.", rank, tp)
+            _shard_swiglu(block.mlp, prefix + "mlp.", rank, tp)
             _region(block.mlp, group)
 
 
-def reduce_replicated_grads(model: nn.Module, shards: Shards, group) -> None:
+def reduce_replicated_grads(model: nn.Module, group) -> None:
     """Sum over the tp group the gradients of every parameter not split by tp (coalesced). Under fsdp x tp
     a gradient is FSDP's DTensor shard: the tp peers hold the same chunk of a replicated parameter (the
     same fsdp index), so their local shards are summed."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    params = [p for name, p in model.named_parameters() if shards.kind(name) != "tp"]
+    params = [p for _, p, placement in placed_parameters(model) if placement is None or placement.axis != "tp"]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from model.mlp import SwiGLU
 from parallel.dims import Degrees, build_layout, init_distributed
-from parallel.tensor import Shards, _region, _shard_swiglu, local_sequence  # the hand-written region itself
+from parallel.tensor import _region, _shard_swiglu, local_sequence  # the hand-written region itself
 from trainer.config import load_config
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     ours, theirs = SwiGLU(cfg.d_model, cfg.dense_inter), SwiGLU(cfg.d_model, cfg.dense_inter)
     ours.load_state_dict(whole.state_dict())
     theirs.load_state_dict(whole.state_dict())
-    _shard_swiglu(Shards(), ours, "", layout.tp_rank, tp)
+    _shard_swiglu(ours, "", layout.tp_rank, tp)
     _region(ours, layout.tp_group)
     dtensor_swiglu(theirs, layout.mesh["tp"])
 

@@ -56,14 +56,14 @@ class CheckpointSaver:
                                                    use_async_staging=False, use_non_blocking_copy=True)) if pinned else None
 
     def save(self, run_dir: Path, step: int, model: nn.Module, optimizers: list, scheduler, extra: dict,
-             meta: dict, keep_last: int, shards=None) -> Path:
+             meta: dict, keep_last: int, mesh=None) -> Path:
         """save_checkpoint's arguments. Off: the checkpoint is published when this returns. Else this returns
         once the state is staged; the checkpoint is published by a later poll or wait."""
         if self.mode == "off":
-            return save_checkpoint(run_dir, step, model, optimizers, scheduler, extra, meta, keep_last, shards)
+            return save_checkpoint(run_dir, step, model, optimizers, scheduler, extra, meta, keep_last, mesh)
         self.wait()
         final, tmp = begin_save(run_dir, step, model, extra)
-        written = dcp.async_save(dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp,
+        written = dcp.async_save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=tmp,
                                  process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
         hashed = self.hasher.submit(self._hash_when_written, written, tmp)
         self.in_flight = _InFlight(final, tmp, meta, keep_last, hashed)

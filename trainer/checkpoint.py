@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model.config import ModelConfig
+from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
 from trainer.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
 from trainer.safe_io import write_file
@@ -126,17 +127,18 @@ def _refuse_non_finite(model: nn.Module, step: int) -> None:
                               "the previous checkpoints are kept")
 
 
-def dcp_state(model: nn.Module, optimizers: list, scheduler, shards) -> dict:
+def dcp_state(model: nn.Module, optimizers: list, scheduler, mesh) -> dict:
     """What DCP saves/loads. get_state_dict names everything by canonical parameter names (no DDP
-    `module.` prefix), so a checkpoint loads with or without DDP and at another world size; `shards`
-    (parallel.tensor.Shards, or None) turns tp/ep slices into whole tensors."""
+    `module.` prefix), so a checkpoint loads with or without DDP and at another world size; over `mesh`
+    (the layout's DeviceMesh, None for one process) tp/ep slices are shown as whole tensors
+    (parallel.state_dict)."""
     if optimizers:
         model_state, optim_state = get_state_dict(model, optimizers)
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model)}
-    if shards is not None:
-        state = shards.to_checkpoint(state)
+    if mesh is not None:
+        state = to_global_state(state, model, mesh)
     if scheduler is not None:
         state["scheduler"] = scheduler  # Stateful: DCP calls its state_dict / load_state_dict
     return state
@@ -258,14 +260,14 @@ def _remove(entry: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list, scheduler,
-                    extra: dict, meta: dict, keep_last: int, shards=None) -> Path:
+                    extra: dict, meta: dict, keep_last: int, mesh=None) -> Path:
     """Every rank calls this. `extra` is this rank's own state, made of JSON values (dict, list, str,
     int, float, bool, None; tuples come back as lists); `meta` (from rank 0) should carry
     model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory.
     trainer/async_checkpoint.py runs the same three parts with the write in the background."""
     final, tmp = begin_save(run_dir, step, model, extra)
     with _single_process_is_fine():
-        dcp.save(dcp_state(model, optimizers, scheduler, shards), checkpoint_id=tmp)
+        dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=tmp)
     _barrier()
     publish(final, tmp, meta, keep_last, merge_shares(hash_share(tmp, *_rank_and_world())))
     return final
@@ -494,7 +496,7 @@ def check_model_shapes(path: str | Path, model: nn.Module) -> None:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, scheduler, rank: int,
-                    fingerprint: str | None = None, shards=None, verify: bool = True) -> tuple[dict, dict]:
+                    fingerprint: str | None = None, mesh=None, verify: bool = True) -> tuple[dict, dict]:
     """Load model, optimizers and scheduler in place; return (this rank's extra, meta).
 
     Pass optimizers=[] and scheduler=None to load the model only. Before any weight is touched the
@@ -512,14 +514,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
         reader.read_metadata()  # refuse a bad .metadata here, in one line, before DCP's collectives
     except Exception as error:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
-    state = dcp_state(model, optimizers, scheduler, shards)
+    state = dcp_state(model, optimizers, scheduler, mesh)
     try:
         with _single_process_is_fine():
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be read ({_one_line(error)})") from error
-    if shards is not None:
-        state = shards.from_checkpoint(state)
+    if mesh is not None:
+        state = from_global_state(state, model)
     if optimizers:
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from parallel.placement import placed_parameters
 from trainer.config import OptimConfig, TrainConfig
 from trainer.muon import MatrixSlice, Muon
 
@@ -77,10 +78,11 @@ def split_parameters(model: nn.Module, use_muon: bool) -> tuple[list, list, list
     return muon, decay, no_decay
 
 
-def tensor_parallel_slices(model: nn.Module, shards, tp_group) -> dict[nn.Parameter, MatrixSlice]:
-    """The parameters that are tp slices of larger matrices (parallel.tensor.Shards), for Muon to gather."""
-    return {param: MatrixSlice(shards.dims[name][0], tp_group) for name, param in model.named_parameters()
-            if shards.kind(name) == "tp" and param.ndim == 2}
+def tensor_parallel_slices(model: nn.Module, tp_group) -> dict[nn.Parameter, MatrixSlice]:
+    """The parameters that are tp slices of larger matrices (their placement, parallel/placement.py), for
+    Muon to gather."""
+    return {param: MatrixSlice(placement.dim, tp_group) for _, param, placement in placed_parameters(model)
+            if placement is not None and placement.axis == "tp" and param.ndim == 2}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, slices: dict | None = None) -> OptimizerGroup:

@@ -125,7 +125,7 @@ class Trainer:
         if train.compile:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
         self.optimizer = build_optimizer(self.model, cfg.optim,
-                                         tensor_parallel_slices(self.model, self.engine.shards, self.layout.tp_group))
+                                         tensor_parallel_slices(self.model, self.layout.tp_group))
         self.scheduler = build_scheduler(self.optimizer, train)
         self.sampler = SampleSampler(self.samples.pass_samples, train.seq_len, cfg.seed)
         # Once, at start: the FLOPs are a function of the config, the peak of the device.
@@ -222,7 +222,7 @@ class Trainer:
         # Optimizer state exists for what the checkpoint's last step trained: load into that set.
         retrofit.set_trainable(self.model, self.cfg.train, max(0, read_meta(path)["step"] - 1))
         extra, meta = load_checkpoint(path, self.model, optimizers, self.scheduler, self.info.rank,
-                                      fingerprint=self.fingerprint, shards=self.engine.shards,
+                                      fingerprint=self.fingerprint, mesh=self.layout.mesh,
                                       verify=resume != "auto")
         self._restore_extra(path, extra, meta["step"])
         return path
@@ -587,7 +587,7 @@ class Trainer:
                  "skipped_steps": self.skipped_steps}
         meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg)}
         return self.saver.save(self.run_dir, self.step, self.model, self.optimizer.optimizers, self.scheduler, extra,
-                               meta, self.cfg.train.keep_last, self.engine.shards)
+                               meta, self.cfg.train.keep_last, self.layout.mesh)
 
 
 KNOWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, RunDirError, FileNotFoundError, ValueError)

@@ -10,6 +10,7 @@ from model import build_model
 from model.init import materialise
 from parallel.dims import Degrees, DistInfo, Layout
 from parallel.parallelize import materialise_parallel
+from parallel.placement import placed_parameters
 from trainer.config import load_config
 
 ONE_PROCESS = DistInfo(0, 1, 0, torch.device("cpu"), None)
@@ -29,11 +30,14 @@ def test_each_ranks_slices_are_one_process_initial_weights(tp_rank, ep_rank):
     whole_params = dict(whole.named_parameters())
     model = build_model(cfg, device="meta")
     layout = _layout(tp_rank, ep_rank)
-    shards = materialise_parallel(model, ONE_PROCESS, layout, SEED, torch.float32)
+    materialise_parallel(model, ONE_PROCESS, layout, SEED, torch.float32)
 
-    assert {kind for _, kind in shards.dims.values()} == {"tp", "ep"}
+    placements = {name: placement for name, _, placement in placed_parameters(model)}
+    assert {(p.axis, p.rank, p.size) for p in placements.values() if p} == {("tp", tp_rank, 2), ("ep", ep_rank, 2)}
+    assert list(placements) == [name for name, _ in model.named_parameters()]
     for name, param in model.named_parameters():
-        expected = shards.local_slice(name, whole_params[name].detach(), layout)
+        placement = placements[name]
+        expected = whole_params[name].detach() if placement is None else placement.local(whole_params[name].detach())
         assert not param.is_meta and param.shape == expected.shape, name
         torch.testing.assert_close(param.detach(), expected, rtol=0, atol=0, msg=name)
     for name, buffer in model.named_buffers():

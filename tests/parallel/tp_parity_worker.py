@@ -21,6 +21,7 @@ from parallel import gradients
 from parallel.engine import build_engine, cross_entropy
 from parallel.gradients import sync_moe_load
 from parallel.context import ContextSplit
+from parallel.placement import placement_of
 from parallel.tensor import local_sequence
 from torch.distributed.tensor import DTensor
 from trainer.config import ParallelConfig, load_config
@@ -51,10 +52,11 @@ def whole(name: str, grad: torch.Tensor, engine) -> torch.Tensor:
     """The full gradient of a parameter this rank may hold only a slice (or FSDP's shard) of."""
     if isinstance(grad, DTensor):
         grad = grad.full_tensor()
-    if name not in engine.shards.dims:
+    placement = placement_of(engine.model, name)
+    if placement is None:
         return grad
-    dim, kind = engine.shards.dims[name]
-    group = engine.layout.tp_group if kind == "tp" else engine.layout.ep_group
+    dim = placement.dim
+    group = engine.layout.tp_group if placement.axis == "tp" else engine.layout.ep_group
     parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, grad.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -140,7 +142,7 @@ def main() -> None:
     results = [run_case(case, info) for case in CASES[info.world_size]]
     # Negative control: without completing the replicated gradients over tp the parity must break.
     original = gradients.reduce_replicated_grads
-    gradients.reduce_replicated_grads = lambda model, shards, group: None
+    gradients.reduce_replicated_grads = lambda model, group: None
     try:
         control = run_case({"dp": info.world_size // 2, "pp": 1, "tp": 2, "ep": 1, "variant": "block"}, info)
     finally:
