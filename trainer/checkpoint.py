@@ -341,7 +341,7 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {META_FILE}")
     try:
         meta = json.loads((path / META_FILE).read_text())
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # bad JSON, or nested deeper than the parser goes
         raise CheckpointError(f"checkpoint {path} has an unreadable {META_FILE}: {error}") from None
     if not isinstance(meta, dict) or "format" not in meta and "files" not in meta:
         raise CheckpointFormatError(
@@ -472,7 +472,7 @@ def _read_extra(path: Path, meta: dict, rank: int) -> dict:
     name = _extra_file(rank) if _extra_file(rank) in meta["files"] else _extra_file(0)
     try:
         return json.loads((path / name).read_text())
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # bad JSON, or nested deeper than the parser goes
         raise CheckpointError(f"checkpoint {path}: {name} could not be read ({error})") from None
 
 

@@ -181,12 +181,14 @@ def test_a_config_larger_than_the_weights_is_refused_before_the_model_is_allocat
                                  f"[{2 ** 45}, 96], the checkpoint holds [512, 96]")
 
 
-def rewrite_extra(path, change):
-    """Edit extra/rank_0.json as someone would who also recomputes every checksum."""
+def rewrite_extra(path, change=None, text=None):
+    """Edit extra/rank_0.json (or replace its text) as someone would who also recomputes every checksum."""
     extra_file = path / "extra" / "rank_0.json"
-    extra = json.loads(extra_file.read_text())
-    change(extra)
-    extra_file.write_text(json.dumps(extra))
+    if text is None:
+        extra = json.loads(extra_file.read_text())
+        change(extra)
+        text = json.dumps(extra)
+    extra_file.write_text(text)
 
     def record(meta):
         meta["files"]["extra/rank_0.json"] = {"bytes": extra_file.stat().st_size,
@@ -202,6 +204,22 @@ def test_an_edited_extra_step_is_refused_and_writes_nothing(run, tiny_dataset):
     assert one_line(refused) == (f"checkpoint {checkpoint(run, 6)}: extra/rank_0.json has step -100; the "
                                  "checkpoint is of step 6")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_a_resealed_extra_nested_past_the_parser_is_one_line(run, tiny_dataset):
+    path = checkpoint(run, 6)
+    rewrite_extra(path, text="[" * 50_000)
+    with pytest.raises(CheckpointError) as refused:
+        trainer(run, tiny_dataset, **{"train.steps": 9})
+    assert one_line(refused).startswith(f"checkpoint {path}: extra/rank_0.json could not be read (")
+
+
+def test_a_meta_json_nested_past_the_parser_is_one_line(run):
+    path = checkpoint(run, 6)
+    (path / "meta.json").write_text("[" * 50_000)
+    with pytest.raises(CheckpointError) as refused:
+        read_meta(path)
+    assert one_line(refused).startswith(f"checkpoint {path} has an unreadable meta.json")
 
 
 @pytest.fixture(scope="module")
