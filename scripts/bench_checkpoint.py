@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from model import build_model
-from trainer.async_checkpoint import CheckpointSaver
+from trainer.run_dir.async_checkpoint import CheckpointSaver
 from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
 

@@ -27,7 +27,7 @@ from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
 from scripts.experiments import Evaluation, Experiment, load_experiment, split_overrides
 from scripts.report import build_report
 from scripts.report.runs import EVAL_FILE
-from trainer.checkpoint import STEP_DIR, latest_checkpoint
+from trainer.run_dir.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer

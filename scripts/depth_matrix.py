@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from model.residual import DepthTrace
-from trainer.checkpoint import CheckpointError
+from trainer.run_dir.checkpoint import CheckpointError
 from trainer.export import parse_key_values, run_cli
 from trainer.trained import load_trained
 

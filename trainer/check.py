@@ -13,7 +13,7 @@ from model import build_model
 from model.params import count_parameters
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.data import open_samples
-from trainer.lock import check_run_dir
+from trainer.run_dir.lock import check_run_dir
 
 
 def total_parameters(cfg) -> int:

@@ -115,7 +115,7 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    async_mode: str = "off"           # off | async | async_pinned: the write overlaps training (trainer/async_checkpoint.py)
+    async_mode: str = "off"           # off | async | async_pinned: the write overlaps training (trainer/run_dir/async_checkpoint.py)
 
 
 @dataclass

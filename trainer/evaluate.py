@@ -48,7 +48,7 @@ from trainer.export import TOKENIZER_FILE, ExportError, parse_key_values, read_e
 from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
 from trainer.lm_eval_model import AttnResLM, LMEvalError, pick_device
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
-from trainer.safe_io import write_file
+from trainer.run_dir.safe_io import write_file
 
 FUNCTION_TAG = "!function"
 INCLUDE_LINE = re.compile(r"^\s*include:\s*(\S+)", re.MULTILINE)

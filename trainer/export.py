@@ -40,7 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from trainer.hf.export import is_hf_export, write_hf_export
 from trainer.trained import load_trained
 

@@ -32,7 +32,7 @@ import torch
 
 from model import build_model
 from model.generation import generate
-from trainer.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR, fingerprint_difference,
+from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE, STEP_DIR, fingerprint_difference,
                                 model_fingerprint)
 from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data.format import tokenizer_vocab_size

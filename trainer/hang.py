@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.safe_io import write_file
+from trainer.run_dir.safe_io import write_file
 
 LEAST_DEFAULT_S = 300.0
 MEDIANS = 10

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.safe_io import append_text, write_file
+from trainer.run_dir.safe_io import append_text, write_file
 
 
 def peak_memory_mb(device: torch.device) -> float:

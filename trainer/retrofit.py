@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from model.norms import RMSNorm
-from trainer.checkpoint import CheckpointError, resolve_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
 from trainer.export import ExportError, check_finite
 from trainer.hf.export import HFExportError, is_hf_export, read_hf_state

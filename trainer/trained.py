@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from model import build_model
-from trainer.checkpoint import CheckpointError, check_model_shapes, load_checkpoint, resolve_checkpoint, verify_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, check_model_shapes, load_checkpoint, resolve_checkpoint, verify_checkpoint
 from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data import open_samples
 

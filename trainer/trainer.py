@@ -25,8 +25,8 @@ from parallel.compile import apply_compile
 from parallel.dims import Degrees, DistInfo, barrier, build_layout, resolve_precision, set_collective_timeout
 from parallel.engine import build_engine
 from parallel.gradients import moe_load_imbalance, sync_moe_load
-from trainer.async_checkpoint import CheckpointSaver
-from trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
+from trainer.run_dir.async_checkpoint import CheckpointSaver
+from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
                                 model_fingerprint, newest_verified_checkpoint, pin_checkpoint, pinned_names, read_meta,
                                 remove_partial_saves, unfinished_checkpoints,
                                 resolve_checkpoint)
@@ -35,9 +35,9 @@ from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops
 from trainer.hang import HangWatchdog
-from trainer.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
+from trainer.run_dir.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
 from trainer import retrofit
-from trainer.safe_io import write_file
+from trainer.run_dir.safe_io import write_file
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
                            tensor_parallel_slices, wsd_decay_start)
 
@@ -82,7 +82,7 @@ def set_rng_state(state: dict) -> None:
 
 
 class Trainer:
-    """One run in one run directory, which it locks (trainer.lock) from construction until fit() ends or
+    """One run in one run directory, which it locks (trainer.run_dir.lock) from construction until fit() ends or
     close() is called, before anything reads or writes it."""
 
     def __init__(self, cfg: Config, info: DistInfo):

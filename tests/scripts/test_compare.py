@@ -7,7 +7,7 @@ import scripts.compare as compare
 from scripts.experiments import load_experiment
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
-from trainer.checkpoint import latest_checkpoint
+from trainer.run_dir.checkpoint import latest_checkpoint
 from trainer.config import load_config
 from trainer.trainer import Trainer
 

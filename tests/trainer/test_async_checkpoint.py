@@ -1,4 +1,4 @@
-"""checkpoint.async_mode=async (trainer/async_checkpoint.py): the write overlaps the next steps, training is
+"""checkpoint.async_mode=async (trainer/run_dir/async_checkpoint.py): the write overlaps the next steps, training is
 bitwise the synchronous run's, a resume from an asynchronous checkpoint continues it bitwise, and a process
 killed before its save was published resumes from the checkpoint before."""
 import json
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
-from trainer.checkpoint import latest_checkpoint, verify_checkpoint
+from trainer.run_dir.checkpoint import latest_checkpoint, verify_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
 

@@ -19,7 +19,7 @@ from model import build_model
 from model.config import ModelConfig, ResidualConfig
 from conftest import fast_train_overrides, torchrun
 from parallel.dims import init_distributed
-from trainer.checkpoint import (
+from trainer.run_dir.checkpoint import (
     CheckpointError,
     CheckpointFormatError,
     check_compatible,

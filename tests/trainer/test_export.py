@@ -15,7 +15,7 @@ from torch import nn
 from conftest import cli_error, fast_train_overrides
 from model import build_model
 from parallel.dims import init_distributed
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+from trainer.run_dir.checkpoint import latest_checkpoint, load_checkpoint, read_meta
 from trainer.config import load_config
 from trainer.export import ExportArgs, export, main, safetensors_ready
 from trainer.trainer import Trainer

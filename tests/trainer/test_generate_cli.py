@@ -20,7 +20,7 @@ from json_mutations import dumps, mutated_documents
 from model import build_model
 from model.generation import generate
 from parallel.dims import init_distributed
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.run_dir.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
 from trainer.export import ExportError, export
 from trainer.generate import GenerateArgs, GenerateError, export_config, load_exported_model, main

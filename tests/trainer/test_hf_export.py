@@ -14,7 +14,7 @@ from conftest import fast_train_overrides
 from model import build_model
 from model.generation import generate
 from parallel.dims import init_distributed
-from trainer.checkpoint import CheckpointError
+from trainer.run_dir.checkpoint import CheckpointError
 from trainer.config import load_config
 from trainer.export import export
 from trainer.generate import export_config, load_exported_model

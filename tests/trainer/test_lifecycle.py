@@ -17,9 +17,9 @@ from conftest import fast_train_overrides, torchrun
 from parallel.dims import init_distributed
 from trainer import main as trainer_main_module
 from trainer.check import main as check
-from trainer.checkpoint import latest_checkpoint
+from trainer.run_dir.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, load_config
-from trainer.lock import LOCK_FILE, RunDirError, RunDirLock
+from trainer.run_dir.lock import LOCK_FILE, RunDirError, RunDirLock
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ import torch
 
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
-from trainer.checkpoint import CheckpointError
+from trainer.run_dir.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config
 from trainer.retrofit import is_depth_read
 from trainer.trained import load_trained

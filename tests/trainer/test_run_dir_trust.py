@@ -11,7 +11,7 @@ import pytest
 from conftest import fast_train_overrides
 from json_mutations import mutated_documents
 from parallel.dims import init_distributed
-from trainer.checkpoint import (
+from trainer.run_dir.checkpoint import (
     CheckpointError,
     _complete_checkpoints,
     _prune,
@@ -21,9 +21,9 @@ from trainer.checkpoint import (
     seal_meta,
 )
 from trainer.config import load_config
-from trainer.lock import RunDirError, check_run_dir
+from trainer.run_dir.lock import RunDirError, check_run_dir
 from trainer.metrics import keep_rows_up_to
-from trainer.safe_io import append_text, first_link, write_file
+from trainer.run_dir.safe_io import append_text, first_link, write_file
 from trainer.trained import load_trained
 from trainer.trainer import Trainer
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import fast_train_overrides, torchrun, torchrun_runs
 from parallel.dims import init_distributed
-from trainer.checkpoint import CheckpointError, latest_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.trainer import NonFiniteError, Trainer
 

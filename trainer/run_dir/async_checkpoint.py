@@ -1,6 +1,6 @@
 """checkpoint.async_mode: saves whose write overlaps the next training steps (DCP's async_save).
 
-A save runs trainer/checkpoint.py's three parts. begin_save (refuse non-finite weights, the empty
+A save runs trainer/run_dir/checkpoint.py's three parts. begin_save (refuse non-finite weights, the empty
 .tmp-step_N, this rank's extra file) and the staging of the state into host memory block the step; DCP's
 write and this rank's share of the checksums run on background threads; publish (meta.json, the rename
 into place, pruning) runs on the training thread only once every rank's write has finished. A run killed
@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from trainer.checkpoint import begin_save, dcp_state, hash_share, merge_shares, publish, save_checkpoint
+from trainer.run_dir.checkpoint import begin_save, dcp_state, hash_share, merge_shares, publish, save_checkpoint
 
 @dataclass
 class _InFlight:

@@ -13,7 +13,7 @@ with one, e.g. DDP over gloo; under torchrun the ranks split the hashing (rank r
 
 Nothing is unpickled from a run: extra files are JSON, DCP's `.metadata` is unpickled with an allowlist
 of DCP's own metadata classes and its non-tensor entries with torch.load(weights_only=True)
-(trainer/safe_dcp.py). Before loading touches any weight, every file listed in meta.json is checked for
+(trainer/run_dir/safe_dcp.py). Before loading touches any weight, every file listed in meta.json is checked for
 its size and sha256 (the ranks split this too and agree before any of them goes on), which catches
 truncated, zeroed, overwritten or missing files. sha256 because it is the standard (`sha256sum` checks a
 file by hand) and hashes at disk speed; a checksum detects damage, it does not authenticate: whoever can
@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 from model.config import ModelConfig
 from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
-from trainer.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
-from trainer.safe_io import write_file
+from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
+from trainer.run_dir.safe_io import write_file
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
@@ -264,7 +264,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
     """Every rank calls this. `extra` is this rank's own state, made of JSON values (dict, list, str,
     int, float, bool, None; tuples come back as lists); `meta` (from rank 0) should carry
     model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory.
-    trainer/async_checkpoint.py runs the same three parts with the write in the background."""
+    trainer/run_dir/async_checkpoint.py runs the same three parts with the write in the background."""
     final, tmp = begin_save(run_dir, step, model, extra)
     with _single_process_is_fine():
         dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=tmp)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.safe_io import first_link
+from trainer.run_dir.safe_io import first_link
 
 LOCK_FILE = ".trainer.lock"
 WANDB_DIR = "wandb"  # wandb's own directory, which holds its `latest-run` link
