@@ -21,13 +21,13 @@ from model.residual import DepthGeometry
 from parallel.context import apply_context_parallel
 from parallel.dims import DistInfo, Layout
 from parallel.expert import apply_expert_parallel, expert_param_names
-from parallel.fill import fill_shards
+from parallel.fill import fill_local_parts
 from parallel.fsdp import apply_fsdp
 from parallel.placement import placement_of
 from parallel.tensor import apply_tensor_parallel, total_balance_over_sequence
 
 
-def shard_model(model: Decoder, layout: Layout) -> None:
+def slice_model(model: Decoder, layout: Layout) -> None:
     """Split the model in place for tp and ep (each split parameter records its placement), and link its
     token mixers over cp (no-ops at 1)."""
     apply_tensor_parallel(model, layout)
@@ -42,7 +42,7 @@ def parallelize(model: Decoder, layout: Layout, precision: torch.dtype,
     chunks, which keep their parameters gathered from a microbatch's forward to its backward). The ep
     slices of the routed experts stay out of FSDP: their ranks already split them, and their gradients
     are averaged over the ranks holding the same experts (finish_gradients)."""
-    shard_model(model, layout)
+    slice_model(model, layout)
     if layout.fsdp > 1:
         experts = set(expert_param_names(model))
         ignored = {p for name, p in model.named_parameters() if name in experts}
@@ -63,7 +63,7 @@ def materialise_parallel(model: Decoder, info: DistInfo, layout: Layout, seed: i
     template = copy.deepcopy(model)  # meta: costs nothing
     parallelize(model, layout, precision, fsdp_roots)
     model.to_empty(device=info.device)
-    fill_shards(model, template, seed, slice_of=functools.partial(_local_part, model))
+    fill_local_parts(model, template, seed, slice_of=functools.partial(_local_part, model))
 
 
 def _local_part(model: Decoder, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
     from model import build_model
     from model.init import materialise
     from parallel.dims import Degrees, DistInfo, Layout
-    from parallel.parallelize import materialise_parallel, shard_model
+    from parallel.parallelize import materialise_parallel, slice_model
     from trainer.config import load_config
 
     layout = Layout(degrees=Degrees(tp=tp, ep=ep))  # rank 0 of each group; no process group is needed to slice
@@ -48,7 +48,7 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
         materialise_parallel(model, info, layout, 0, torch.float32)
     else:
         materialise(model, "cpu", model.cfg.init_stds, 0)
-        shard_model(model, layout)
+        slice_model(model, layout)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     keeps = 4 * sum(p.numel() for p in model.parameters())
     return {"mode": mode, "whole_mb": whole / 1e6, "keeps_mb": keeps / 1e6, "growth_mb": (peak - before) / 1e6}

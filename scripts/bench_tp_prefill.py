@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from model import build_model
 from parallel.dims import Degrees, build_layout, init_distributed, shutdown
-from parallel.parallelize import shard_model
+from parallel.parallelize import slice_model
 from parallel.tensor import gather_sequence, local_sequence
 from scripts.bench_inference import block_storage_bytes
 from trainer.config import load_config
@@ -37,7 +37,7 @@ def main() -> None:
     reference = build_model(config).eval()
     torch.manual_seed(0)
     model = build_model(config).eval()
-    shard_model(model, layout)
+    slice_model(model, layout)
     tokens = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     n_sources = model.mixer.geometry.max_sources
 

@@ -129,7 +129,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     tp = case.get("tp", 1)
     layout = build_layout(info, Degrees(dp=case["dp"], fsdp=case["fsdp"], tp=tp))
     parallel = ParallelConfig(dp=case["dp"], fsdp=case["fsdp"], tp=tp)
-    # Built on meta and filled shard by shard (parallel.fsdp.fill_shards): one process's initial weights.
+    # Built on meta and filled shard by shard (parallel.fsdp.fill_local_parts): one process's initial weights.
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
                           seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
     reference_params = dict(reference.named_parameters())
