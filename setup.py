@@ -35,6 +35,9 @@ setup(
         # quantile of its paired intervals.
         "matplotlib>=3.7",
         "scipy>=1.10",
+        # train.float8 (parallel/float8.py, imported only there): torchao's float8 training. 0.18's compiled
+        # parts target torch >= 2.11; the float8 path we use is Python over torch._scaled_mm.
+        "torchao>=0.18,<0.19",
     ],
     extras_require={
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (CI: triton 3.9; 3.6, which torch

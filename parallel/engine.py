@@ -19,6 +19,7 @@ from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from parallel.dims import DistInfo, Layout
 from parallel.expert import expert_param_names
+from parallel.float8 import convert_to_float8
 from parallel.gradients import all_reduce, clip_grad_norm, finish_gradients
 from parallel.parallelize import materialise_parallel
 from parallel.tensor import local_sequence
@@ -231,12 +232,16 @@ class PipelineEngine:
 
 def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, micro_batch: int, seq_len: int,
                  microbatches: int, activation_checkpointing: str = "none", seed: int = 0,
-                 precision: torch.dtype = torch.float32, document_boundary: int | None = None) -> Engine:
+                 precision: torch.dtype = torch.float32, document_boundary: int | None = None,
+                 float8: bool = False) -> Engine:
     """`model` may be on the meta device (build_model(cfg, device="meta")): each engine allocates and
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
     materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
     parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's.
-    `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None."""
+    `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None.
+    `float8`: the token mixers' and MLPs' Linear layers run float8 matmuls (parallel/float8.py), emulated off CUDA."""
+    if float8:  # first: checkpointing, tp and FSDP then wrap the float8 modules
+        convert_to_float8(model, tp=layout.tp, emulate=info.device.type != "cuda")
     apply_activation_checkpointing(model, activation_checkpointing)  # before any sharding wraps the blocks
     if layout.pp > 1:
         engine = PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)

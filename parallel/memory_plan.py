@@ -22,6 +22,13 @@ Bytes per parameter (what the code does):
     one init unit at a time on the host (parallel/fill.py): 4 bytes per parameter of the largest unit.
   The AdamW step (fused=False: foreach on CUDA) needs one fp32 temporary as large as the rank's
     parameters on CUDA and one parameter's on CPU; it runs after backward, when activations are gone.
+  train.float8 (parallel/float8.py, torchao's tensorwise recipe): the weights, gradients and optimizer
+    state stay as they are, and a float8 Linear saves the same high-precision input for backward as a
+    plain one, recasting in backward. What changes: a converted Linear's matmul casts its fp32 master weight
+    itself, so autocast keeps no bf16 copy of it (2 bytes per converted weight fewer where the plan counts
+    autocast copies: without FSDP; FSDP gathers bf16 weights either way, and no expert is converted).
+    Left out: the float8 copies of one Linear's input and weight, 1 byte per element, alive only
+    during its matmul.
 
 Activations: elements saved for backward per token, per sublayer kind (`sublayer_elements`), in the
 activation dtype (`a`: bf16 under autocast, else fp32) or forced fp32 (`f`). The counts were
@@ -49,6 +56,7 @@ import torch
 from model.config import ModelConfig
 from model.residual.geometry import DepthGeometry, channel_mixer_sublayer, token_mixer_sublayer, transformer_block_of
 from parallel.dims import Degrees, resolve_precision
+from parallel.float8 import float8_linear_names
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -64,6 +72,7 @@ class ParamCount:
     tp_split: int             # of `rank`, already divided by tp
     largest_unit: int         # the biggest fully_shard unit of this rank, unsharded
     stage: int = 0            # parameters of this rank's pipeline stage before any tp/ep slicing
+    float8: int = 0           # of `rank`: weights of the Linears train.float8 converts (float8_weights)
     blocks: list[int] = field(default_factory=list)  # transformer blocks this rank runs
 
 
@@ -96,15 +105,23 @@ def parameter_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {name: p.numel() for name, p in build_model(cfg, device="meta").named_parameters()}
 
 
-def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, int] | None = None) -> list[ParamCount]:
-    """One ParamCount per pipeline rank (a tp/ep/fsdp rank of it holds the same amounts)."""
+def float8_weights(cfg: ModelConfig, tp: int) -> frozenset[str]:
+    """Names of the weights whose Linears train.float8 converts at this tp degree."""
+    from model import build_model
+    return frozenset(f"{name}.weight" for name in float8_linear_names(build_model(cfg, device="meta"), tp))
+
+
+def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, int] | None = None,
+                          float8: frozenset[str] = frozenset()) -> list[ParamCount]:
+    """One ParamCount per pipeline rank (a tp/ep/fsdp rank of it holds the same amounts). `float8`: the
+    weight names train.float8 converts (float8_weights), none without it."""
     params = sizes or parameter_sizes(cfg)
     total = sum(params.values())
     per_rank = stage_blocks(cfg, layout.pp, layout.vp)
     counts = []
     for rank, blocks in enumerate(per_rank):
         first, last = rank == 0, rank == layout.pp - 1
-        held = experts = split = whole = 0
+        held = experts = split = whole = converted = 0
         units: dict[object, int] = {}
         for name, numel in params.items():
             block = _block_of(name)
@@ -123,10 +140,12 @@ def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, in
                 n //= layout.tp
                 split += n
             held += n
+            converted += n if name in float8 else 0
             if not (".mlp.w_" in name and layout.ep > 1):  # fully_shard ignores the ep slices
                 unit = "root" if block is None else block
                 units[unit] = units.get(unit, 0) + n
-        counts.append(ParamCount(total, held, experts, split, _largest_unit(cfg, units), blocks=blocks, stage=whole))
+        counts.append(ParamCount(total, held, experts, split, _largest_unit(cfg, units), blocks=blocks, stage=whole,
+                                 float8=converted))
     return counts
 
 
@@ -354,13 +373,16 @@ def in_flight_microbatches(layout: Degrees, microbatches: int) -> float:
 
 def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, microbatches: int, mode: str,
          device: str = "cuda", capacity: float = 1.25, runtime_bytes: float = 0,
-         counts: list[ParamCount] | None = None, stage: int | None = None, precision: str = "auto") -> Plan:
+         counts: list[ParamCount] | None = None, stage: int | None = None, precision: str = "auto",
+         float8: bool = False) -> Plan:
     """The memory of pipeline rank `stage`, or of the largest one (most parameters + activations).
-    `device` picks the kernels (and gloo's staging copies on CPU), `precision` (train.precision) the dtypes."""
+    `device` picks the kernels (and gloo's staging copies on CPU), `precision` (train.precision) the dtypes,
+    `float8` (train.float8) the counts' converted weights when `counts` is not given (given: theirs)."""
     cuda = device == "cuda"
     bf16 = resolve_precision(precision, torch.device(device)) == torch.bfloat16
     act = 2 if bf16 else 4
-    counts = counts or count_rank_parameters(cfg, layout)
+    if counts is None:
+        counts = count_rank_parameters(cfg, layout, float8=float8_weights(cfg, layout.tp) if float8 else frozenset())
     tokens = micro_batch * seq_len / layout.sequence_ranks  # cp slices, each cut tp ways by sequence parallelism
     ep_capacity = capacity if layout.ep > 1 else 1.0
     best = None
@@ -394,7 +416,7 @@ def plan(cfg: ModelConfig, layout: Degrees, *, seq_len: int, micro_batch: int, m
                 # DDP (over dp x cp) ignores expert slices under ep (they average over their own ranks)
                 p.ddp_bucket_bytes = 4 * (count.rank - (count.routed_experts if layout.ep > 1 else 0))
             if bf16:
-                p.autocast_copy_bytes = 2 * count.rank
+                p.autocast_copy_bytes = 2 * (count.rank - count.float8)
         p.optimizer_step_bytes = 4 * state if cuda else 0
         p.host_start_bytes = 4 * count.largest_unit  # parallel.fill: one init unit at a time, every layout
         p.activations_by_mode = {m: sum(v.values()) * flight for m, v in per_mode.items()}
@@ -436,7 +458,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, seq_len: int, max_tp: int = 8
 
 def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, seq_len: int, micro_batch: int,
            global_batch: int, device: str = "cuda", capacity: float = 1.25,
-           precision: str = "auto") -> list[Plan]:
+           precision: str = "auto", float8: bool = False) -> list[Plan]:
     """Layouts x checkpointing modes that fit in gpu_bytes * (1 - headroom), best first: fewest pipeline
     stages (bubble and message traffic), then least recomputation (none < selective < full), then least
     tensor parallelism, then least context parallelism (its gathers and all-to-alls), then the most memory
@@ -449,7 +471,8 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
         microbatches = global_batch // (micro_batch * layout.data_ranks)
         key = (layout.pp, layout.vp, layout.tp, layout.ep)
         if key not in cache:
-            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes)
+            converted = float8_weights(cfg, layout.tp) if float8 else frozenset()
+            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes, converted)
         for mode in MODES:
             p = plan(cfg, layout, seq_len=seq_len, micro_batch=micro_batch, microbatches=microbatches, mode=mode,
                      device=device, capacity=capacity, counts=cache[key], precision=precision)

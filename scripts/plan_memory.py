@@ -143,7 +143,7 @@ def run_plan(args, overrides: list[str]) -> None:
         global_batch = cfg.train.global_batch if explicit else cfg.train.micro_batch * args.gpus * 8
         found = search(cfg.model, gpus=args.gpus, gpu_bytes=gpu_bytes, headroom=args.headroom, seq_len=cfg.train.seq_len,
                        micro_batch=cfg.train.micro_batch, global_batch=global_batch, device=args.device,
-                       capacity=args.capacity, precision=cfg.train.precision)
+                       capacity=args.capacity, precision=cfg.train.precision, float8=cfg.train.float8)
         found = [(p, refusal(cfg, p.layout)) for p in found]
         if args.runnable:
             found = [(p, refused) for p, refused in found if refused is None]
@@ -159,7 +159,7 @@ def run_plan(args, overrides: list[str]) -> None:
     p = plan(cfg.model, layout, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
              microbatches=microbatches_of(cfg, layout, explicit), mode=cfg.train.activation_checkpointing,
              device=args.device, capacity=args.capacity, runtime_bytes=args.runtime_mib * MIB,
-             precision=cfg.train.precision)
+             precision=cfg.train.precision, float8=cfg.train.float8)
     print(f"model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks, seq_len={cfg.train.seq_len} "
           f"micro_batch={cfg.train.micro_batch}, moe capacity {args.capacity if layout.ep > 1 else 1.0} (ep only)")
     print("\n".join(report(p, budget, gpu_bytes, args.headroom, refusal(cfg, layout))))

@@ -54,6 +54,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/activation_checkpoint.py)
     compile: bool = False             # torch.compile each transformer block (parallel/compile.py)
     precision: str = "auto"           # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp32; parallel/dims.py
+    float8: bool = False              # token mixers' and MLPs' matmuls in float8 (torchao; parallel/float8.py)
     peak_tflops: float | None = None  # the device's peak for mfu; null: trainer/mfu.py's table (unknown on CPU)
     trainable: str = "all"            # all | residual (depth reads only) | norms (RMSNorm gains only); trainer/retrofit.py
     unfreeze_after: int | None = None  # every parameter trains after this many steps; null: never
@@ -245,7 +246,8 @@ def _validate_paths(cfg: Config) -> None:
 
 def validate(cfg: Config) -> Config:
     """Every check of a config to run with: its values (check_values), then what this machine and the
-    file system must offer (Triton on CUDA for kernel_impl=triton, an existing resume= path)."""
+    file system must offer (Triton on CUDA for kernel_impl=triton, torchao and float8 tensor cores or
+    none for train.float8, an existing resume= path)."""
     check_values(cfg)
     if cfg.model.kernel_impl == "triton":
         import torch
@@ -253,6 +255,14 @@ def validate(cfg: Config) -> Config:
         refusal = triton_refusal(on_cuda=torch.cuda.is_available())
         if refusal is not None:
             raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
+    if cfg.train.float8:
+        import torch
+
+        from parallel.float8 import float8_refusal
+
+        refusal = float8_refusal(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+        if refusal is not None:
+            raise ConfigError(refusal)
     if cfg.checkpoint.async_mode == "async_pinned":
         import torch
 

@@ -33,7 +33,7 @@ from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, META_FILE, CheckpointEr
 from trainer.config import Config, ConfigError, TrainConfig, validate_layout
 from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
-from trainer.mfu import achieved, device_peak_tflops
+from trainer.mfu import achieved, device_peak_tflops, float8_flop_share
 from trainer.hang import HangWatchdog
 from trainer.run_dir.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
 from trainer import retrofit
@@ -120,7 +120,8 @@ class Trainer:
         # would have for cfg.seed (model.init).
         self.engine = build_engine(build_model(cfg, device="meta"), info, self.layout, parallel, train.micro_batch,
                                    train.seq_len, self.accumulation, train.activation_checkpointing, seed=cfg.seed,
-                                   precision=self.precision, document_boundary=self._document_boundary())
+                                   precision=self.precision, document_boundary=self._document_boundary(),
+                                   float8=train.float8)
         self.model = self.engine.model
         if train.compile:
             apply_compile(self.model)  # after sharding: a block compiles the tp/ep/fsdp modules it runs
@@ -130,7 +131,8 @@ class Trainer:
         self.sampler = SampleSampler(self.samples.pass_samples, train.seq_len, cfg.seed)
         # Once, at start: the FLOPs are a function of the config, the peak of the device.
         self.flops_per_token = training_flops_per_token(cfg.model, train.seq_len)["total"]
-        self.peak_tflops = device_peak_tflops(info.device, train.peak_tflops)
+        float8_share = float8_flop_share(cfg.model, self.layout.tp, self.flops_per_token) if train.float8 else 0.0
+        self.peak_tflops = device_peak_tflops(info.device, train.peak_tflops, float8_share)
         self.step = 0
         self.bad_steps_in_row = 0
         self.skipped_steps = 0
