@@ -98,8 +98,10 @@ compat:
 # fla.ops (chunk_kda), all we use of flash-linear-attention. wandb stays out (a dozen dependencies; imported
 # only when logging.wandb.mode is not disabled), as does lm-eval (trainer.evaluate only). omegaconf 2.3
 # needs antlr4-python3-runtime 4.9, published only as a source archive: built here into a pure-Python wheel.
+# torchao: train.float8 and scripts/gpu_checks/float8_step.py (3.3 MiB).
 GPU_WHEELS := .gpu/wheels
-GPU_BUNDLE := "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" "megatron-core>=0.16,<0.17" "zstandard>=0.22" "fla-core>=0.6"
+GPU_BUNDLE := "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" "megatron-core>=0.16,<0.17" "zstandard>=0.22" "fla-core>=0.6" \
+	"torchao>=0.18,<0.19"
 GPU_BUNDLE_MAX_MIB := 40
 
 gpu-bundle: setup
