@@ -15,18 +15,28 @@ from tokenizers import Tokenizer
 
 from parallel.dims import barrier
 from trainer.config import ConfigError, TrainConfig
+from trainer.data.format import tokenizer_vocab_size
 from trainer.lm_eval_model import AttnResLM
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 
 
 class DownstreamEvaluation:
-    def __init__(self, train: TrainConfig, tokenizer_file: Path | None, is_main: bool):
+    def __init__(self, train: TrainConfig, tokenizer_file: str | Path | None, vocab_size: int, is_main: bool):
+        """`tokenizer_file`: the run's tokenizer.json (its dataset's, else data.tokenizer)."""
         if tokenizer_file is None:
-            raise ConfigError("train.eval_tasks needs the run's tokenizer.json to turn task text into tokens, which a "
-                              "Megatron prefix does not name; set data.tokenizer to the tokenizer it was prepared with")
+            raise ConfigError("train.eval_tasks needs the run's tokenizer.json to turn task text into tokens, and a "
+                              "Megatron prefix records none: set data.tokenizer to the tokenizer.json the data was "
+                              "made with")
+        if not Path(tokenizer_file).is_file():
+            raise ConfigError(f"train.eval_tasks: data.tokenizer={tokenizer_file} is no file; give the tokenizer.json "
+                              "the data was made with")
         self.train, self.is_main = train, is_main
         self.every = train.eval_tasks_every or train.eval_every
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        if tokenizer_vocab_size(self.tokenizer) > vocab_size:
+            raise ConfigError(f"train.eval_tasks: the tokenizer {tokenizer_file} has ids up to "
+                              f"{tokenizer_vocab_size(self.tokenizer) - 1}, outside model.vocab_size={vocab_size}; "
+                              "set data.tokenizer to the tokenizer.json the data was made with")
         self.manager = task_manager_for(train.eval_tasks, LOCAL_TASKS, key="train.eval_tasks")
         limit = train.eval_tasks_limit
         self.limit = int(limit) if limit is not None and limit >= 1 else limit

@@ -11,8 +11,9 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
   model=            (required) an export directory written by python -m trainer.export
   tasks=            lm_eval tasks or groups, comma-separated. The local ones live in include_path and need no
                     network: attnres_local, the group of attnres_mc_words (multiple choice) and
-                    attnres_gen_words (generation). lm_eval's own (hellaswag, arc_easy, mmlu, ...; listed by
-                    `lm-eval ls tasks`) download their data on first use, so they need a connected machine
+                    attnres_gen_words (generation), and attnres_text (perplexity). lm_eval's own
+                    (hellaswag, arc_easy, mmlu, ...; listed by `lm-eval ls tasks`) download their data on
+                    first use, so they need a connected machine
   perplexity=       prepared dataset directories (the data layer's: manifest.json, tokens.bin/.idx, tokenizer.json),
                     comma-separated, tokenised with the export's tokenizer: loss (nats/token), perplexity and
                     bits per byte over each one's valid split (the run's data.split), in samples of the trained

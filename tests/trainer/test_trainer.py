@@ -128,8 +128,10 @@ def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
         train(fast_train_overrides(run, tiny_dataset, steps=6, resume="never"))
 
 
-# lm_eval's local tasks on the live model at steps 3 and 6, 8 examples each (about a second a time).
-EVAL_TASKS = {"train.eval_tasks": "[attnres_local]", "train.eval_tasks_every": 3, "train.eval_tasks_limit": 8}
+# lm_eval's local tasks on the live model at steps 3 and 6, 8 examples each (about a second a time): the word
+# tasks' accuracies, and attnres_text's perplexities, which move with every weight (bits per byte 3.71 -> 3.59).
+EVAL_TASKS = {"train.eval_tasks": "[attnres_local,attnres_text]", "train.eval_tasks_every": 3,
+              "train.eval_tasks_limit": 8}
 
 
 def task_rows(run_dir) -> dict:
@@ -164,10 +166,15 @@ def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, 
     runs, _ = ddp_launch
     one, two, two_resumed = losses(single), losses(runs["ddp"]), losses(runs["ddp_resumed"])
     assert two == two_resumed  # DDP resume is bitwise too
-    scores = task_rows(single)
-    assert sorted(scores) == [3, 6] and set(scores[6]) == {
-        "eval/attnres_mc_words/acc", "eval/attnres_mc_words/acc_norm", "eval/attnres_gen_words/exact_match"}
-    assert task_rows(runs["ddp"]) == scores
+    scores, ddp_scores = task_rows(single), task_rows(runs["ddp"])
+    accuracies = {"eval/attnres_mc_words/acc", "eval/attnres_mc_words/acc_norm", "eval/attnres_gen_words/exact_match"}
+    perplexities = {f"eval/attnres_text/{name}" for name in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+    assert sorted(scores) == sorted(ddp_scores) == [3, 6] and set(scores[6]) == set(ddp_scores[6]) == accuracies | perplexities
+    for step in scores:
+        assert {key: ddp_scores[step][key] for key in accuracies} == {key: scores[step][key] for key in accuracies}
+        # The weights agree up to float summation order, as the losses do.
+        assert ddp_scores[step] == pytest.approx(scores[step], rel=1e-5), step
+    assert scores[6]["eval/attnres_text/bits_per_byte"] < scores[3]["eval/attnres_text/bits_per_byte"]
     assert "eval tasks at step 6: attnres_mc_words/acc" in (single / "train.log").read_text()
     # Same global batch, gradients averaged over 2 ranks instead of accumulated in one: equal up to
     # float summation order.
