@@ -53,6 +53,15 @@ def magnitude_lines(groups: list[Group]) -> list[str]:
     return lines
 
 
+def task_curves_section(groups: list[Group], out_dir: Path) -> list[str]:
+    """The lm_eval task metrics that train.eval_tasks scored during training, against tokens; none without them."""
+    figure = curves.task_metrics_vs_tokens(groups, out_dir / "task_metrics_vs_tokens.png")
+    if figure is None:
+        return []
+    return ["Downstream task metrics during training (`train.eval_tasks`, on the live model):", "",
+            image(figure, "task metrics vs tokens"), ""]
+
+
 def moe_section(groups: list[Group], out_dir: Path) -> list[str]:
     """The load-imbalance curves and, per group, the imbalance over the last quarter of logged steps."""
     figure = curves.moe_imbalance(groups, out_dir / "moe_imbalance.png")
@@ -146,6 +155,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
              image(curves.loss_vs_compute(groups, out_dir / "loss_vs_compute.png"), "validation loss vs compute"), "",
+             *task_curves_section(groups, out_dir),
              *moe_section(groups, out_dir),
              "## Output and gradient magnitude (end of training)", ""]
     for size in dict.fromkeys(g.size for g in groups):

@@ -1,5 +1,6 @@
-"""Read finished (or unfinished) run directories: config.yaml, metrics.jsonl, diagnostics.jsonl, and
-eval.json when the comparison tool evaluated the run (trainer.evaluate's results).
+"""Read finished (or unfinished) run directories: config.yaml, metrics.jsonl (training rows, and the lm_eval
+task rows of train.eval_tasks), diagnostics.jsonl, and eval.json when the comparison tool evaluated the run
+(trainer.evaluate's results).
 
 Runs are grouped by (setting, residual variant) read from their resolved config, so the report
 works the same on runs the comparison tool trained and on run directories copied from a cluster. The
@@ -15,7 +16,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -97,8 +98,22 @@ def _row_problem(row, fields: dict) -> str | None:
     return None
 
 
+# train.eval_tasks' rows: eval/<task>/<metric> keys at a step, which the trainer writes after the step's own row.
+TASK_PREFIX = "eval/"
+TASK_FIELDS = {key: TRAINING_FIELDS[key] for key in ("step", "tokens")}
+
+
+def is_task_row(row) -> bool:
+    return isinstance(row, dict) and "loss" not in row and any(key.startswith(TASK_PREFIX) for key in row)
+
+
 def metrics_problem(row) -> str | None:
-    """metrics.jsonl: training rows (with a loss) hold what the report reads; other rows are passed over."""
+    """metrics.jsonl: training rows (with a loss) and task rows hold what the report reads; other rows are
+    passed over."""
+    if is_task_row(row):
+        bad = next((key for key, value in row.items() if key.startswith(TASK_PREFIX)
+                    and not (value is None or _number(value))), None)
+        return f"{bad}={json.dumps(row[bad])} is not a number or null" if bad else _row_problem(row, TASK_FIELDS)
     return _row_problem(row, TRAINING_FIELDS if isinstance(row, dict) and "loss" in row else {})
 
 
@@ -183,6 +198,7 @@ class Run:
     config: Config
     metrics: list[dict]       # one training record per logged step
     diagnostics: list[dict]   # one record per diag_every steps
+    task_rows: list[dict] = field(default_factory=list)  # train.eval_tasks' scores, one record per evaluated step
 
     @classmethod
     def load(cls, path: str | Path) -> "Run":
@@ -190,8 +206,10 @@ class Run:
         if not (path / "config.yaml").is_file():
             raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
         config = read_run_config(path)
-        metrics = by_step([r for r in read_jsonl(path / "metrics.jsonl", metrics_problem) if "loss" in r])
-        return cls(path, config, metrics, by_step(read_jsonl(path / "diagnostics.jsonl", diagnostics_problem)))
+        rows = read_jsonl(path / "metrics.jsonl", metrics_problem)
+        return cls(path, config, by_step([r for r in rows if "loss" in r]),
+                   by_step(read_jsonl(path / "diagnostics.jsonl", diagnostics_problem)),
+                   by_step([r for r in rows if is_task_row(r)]))
 
     @property
     def name(self) -> str:
@@ -254,6 +272,16 @@ class Run:
         values = {key: value for key, value in values.items() if value != "-"}
         return " ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
                         for key, value in values.items())
+
+    @property
+    def task_curves(self) -> dict[str, list[tuple[int, float]]]:
+        """"<task>/<metric>" -> (tokens, value) at every step train.eval_tasks scored it."""
+        curves: dict[str, list[tuple[int, float]]] = {}
+        for row in self.task_rows:
+            for key, value in row.items():
+                if key.startswith(TASK_PREFIX) and measured(value):
+                    curves.setdefault(key.removeprefix(TASK_PREFIX), []).append((row["tokens"], value))
+        return curves
 
     @property
     def moe_curve(self) -> list[tuple[int, float]]:

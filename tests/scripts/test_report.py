@@ -20,10 +20,13 @@ from trainer.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, tiny_dataset):
-    """A finished baseline and Block (S=2) run of 6 steps with diagnostics at steps 3 and 6."""
+    """A finished baseline and Block (S=2) run of 6 steps with diagnostics at steps 3 and 6; the baseline also
+    scores lm_eval's local tasks at steps 3 and 6 (train.eval_tasks, 4 examples each)."""
     root = tmp_path_factory.mktemp("runs")
     dirs = {}
-    for name, variant in (("baseline", ["variant=baseline"]), ("block", ["variant=block", "variant.block_size=2"])):
+    tasks = ["train.eval_tasks=[attnres_local]", "train.eval_tasks_every=3", "train.eval_tasks_limit=4"]
+    for name, variant in (("baseline", ["variant=baseline", *tasks]),
+                          ("block", ["variant=block", "variant.block_size=2"])):
         dirs[name] = root / f"xs-{name}-s0"
         Trainer(load_config([*fast_train_overrides(dirs[name], tiny_dataset, steps=6), *variant]),
                 init_distributed()).fit()
@@ -52,10 +55,15 @@ def edited_copy(source, target, config: dict, loss_scale: float = 1.0):
 def test_report_holds_every_figure_and_the_runs_numbers(tmp_path, tiny_runs):
     report = build_report(list(tiny_runs.values()), tmp_path / "report", "tiny")
     out = report.parent
-    for name in ["loss_vs_tokens.png", "loss_vs_compute.png", "magnitudes_xs.png", "depth_xs_block-S-2.png",
-                 "layer_importance.png", "moe_imbalance.png"]:
+    for name in ["loss_vs_tokens.png", "loss_vs_compute.png", "task_metrics_vs_tokens.png", "magnitudes_xs.png",
+                 "depth_xs_block-S-2.png", "layer_importance.png", "moe_imbalance.png"]:
         assert (out / name).stat().st_size > 1000, name
     text = report.read_text()
+    rows = [json.loads(line) for line in (tiny_runs["baseline"] / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [(row["tokens"], row["eval/attnres_mc_words/acc"]) for row in rows if "eval_tasks_time_s" in row]
+    assert [tokens for tokens, _ in accuracy] == [3 * 128, 6 * 128]
+    assert Run.load(tiny_runs["baseline"]).task_curves["attnres_mc_words/acc"] == accuracy
+    assert Run.load(tiny_runs["block"]).task_curves == {}
     for run_dir in tiny_runs.values():
         assert f"{final_val_loss(run_dir):.4f}" in text
     diff = final_val_loss(tiny_runs["block"]) - final_val_loss(tiny_runs["baseline"])
@@ -309,6 +317,9 @@ def report_error(capsys, run_dir, out) -> str:
     ('{"step": "3", "loss": 5.0, "tokens": 128, "step_time_s": 0.1}', 2, 'step="3" is not a whole number >= 0'),
     ('{"step": 100000000000000000000000000000, "loss": 5.0, "tokens": 128}', 7,
      "no step_time_s (a finite number of seconds >= 0)"),
+    ('{"step": 3, "tokens": 384, "eval/attnres_mc_words/acc": "high"}', 2,
+     'eval/attnres_mc_words/acc="high" is not a number or null'),
+    ('{"step": 3, "eval/attnres_mc_words/acc": 0.5}', 2, "no tokens (a whole number >= 0)"),
 ])
 def test_a_row_the_report_cannot_read_is_one_error_naming_file_and_line(tmp_path, tiny_runs, capsys, row, line,
                                                                         problem):
@@ -340,7 +351,7 @@ def test_null_losses_are_left_out_of_the_curves(tmp_path, tiny_runs):
     run_dir = edited_copy(tiny_runs["baseline"], tmp_path / "nulls", {})
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for record in records:
-        if record["step"] == 3:
+        if record["step"] == 3 and "loss" in record:  # the training row, not train.eval_tasks' row
             record.update(loss=None, grad_norm=None, val_loss=None, moe_load_imbalance=None)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run = Run.load(run_dir)
