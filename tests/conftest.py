@@ -47,6 +47,12 @@ def fast_train_overrides(run_dir, dataset, steps=6, **extra):
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
+def task_rows(run_dir) -> dict:
+    """{step: {"eval/<task>/<metric>": value}} of a run's train.eval_tasks rows in metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows if "eval_tasks_time_s" in r}
+
+
 def train_in_process(overrides):
     """One trainer run in this process, as trainer.main runs it."""
     from parallel.dims import init_distributed

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kernels.select import IMPLS, triton_refusal
 from model.config import VARIANTS, ModelConfig, ResidualConfig
 from model.init import INIT_SCHEMES
+from parallel.compat import context_parallel_refusal
 from parallel.dims import PRECISIONS, Degrees
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -315,7 +316,8 @@ def check_values(cfg: Config) -> Config:
     for keys, in_range, allowed in RANGES:
         for key in keys:
             value = _get(cfg, key)
-            if not in_range(value):
+            # A typed list's element can still arrive as a mapping from a saved config (OmegaConf lets it in).
+            if not isinstance(value, (int, float)) or not in_range(value):
                 raise ConfigError(f"{key}={value!r} {allowed}")
     _validate_data(cfg)
     m, r = cfg.model, cfg.model.residual
@@ -346,6 +348,8 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"parallel.dp={p.dp} must be a positive number of replicas or null")
     if p.cp < 1:
         raise ConfigError(f"parallel.cp={p.cp} must be a positive number of ranks")
+    if p.cp > 1 and (refusal := context_parallel_refusal()):
+        raise ConfigError(refusal)
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise ConfigError(f"parallel.schedule={p.schedule} runs one stage per rank; parallel.vp={p.vp} needs "
                           "interleaved_1f1b")
@@ -362,12 +366,8 @@ def check_values(cfg: Config) -> Config:
 
 # -- lm_eval tasks during training (train.eval_tasks; trainer/downstream.py) ------------------------------
 
-# The layouts whose rank 0 holds the whole model: one process, or replicas of it (dp).
-SHARDING_DEGREES = ("fsdp", "pp", "tp", "ep", "cp")
-
-
 def _validate_eval_tasks(cfg: Config) -> None:
-    t, p = cfg.train, cfg.parallel
+    t = cfg.train
     if not all(isinstance(name, str) and name.strip() for name in t.eval_tasks):
         raise ConfigError(f"train.eval_tasks={list(t.eval_tasks)} has an empty name; give lm_eval task or group "
                           "names, e.g. [attnres_local]")
@@ -378,11 +378,6 @@ def _validate_eval_tasks(cfg: Config) -> None:
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
         raise ConfigError(f"train.eval_tasks_limit={limit} must be a whole number >= 1 (examples per task), a "
                           "fraction in (0, 1), or null for all")
-    sharded = [f"parallel.{key}={getattr(p, key)}" for key in SHARDING_DEGREES if getattr(p, key) > 1]
-    if t.eval_tasks and sharded:
-        raise ConfigError(f"train.eval_tasks runs on rank 0's whole model, which {', '.join(sharded)} splits "
-                          "across ranks; evaluate such a run's exports with python -m trainer.evaluate, or train "
-                          "on one process or data-parallel replicas")
 
 
 def _resolve_eval_tasks(names: list[str]) -> None:

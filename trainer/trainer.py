@@ -197,8 +197,8 @@ class Trainer:
         # Imported here: lm-evaluation-harness is the eval extra, which a run without train.eval_tasks needs not.
         from trainer.downstream import DownstreamEvaluation
 
-        return DownstreamEvaluation(self.cfg.train, self.tokenizer_file or self.cfg.data.tokenizer,
-                                    self.cfg.model.vocab_size, self.info.is_main)
+        return DownstreamEvaluation(self.cfg, self.tokenizer_file or self.cfg.data.tokenizer, self.layout,
+                                    self.info.device, self.info.is_main)
 
     def _document_boundary(self) -> int | None:
         """The end-of-text id documents are masked at (data.document_masking), from the dataset's manifest."""

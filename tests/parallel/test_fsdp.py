@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun_runs
+from conftest import fast_train_overrides, task_rows, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -270,7 +270,7 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     """The 4-rank layouts, all in one torchrun launch (tests/parallel/trainer_runs_worker.py).
 
     HSDP (dp2_fsdp2: 2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses, gradient
-    norms and validation loss (rel 1e-5).
+    norms, validation loss and train.eval_tasks' scores (the shards gathered to rank 0) (rel 1e-5).
     Composed: fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2 chunks per
     rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts are split in two,
     every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated parameters) sharded over
@@ -280,11 +280,13 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     under the layout; both have one process's losses, gradient norms (clipping active) and validation loss,
     rel 1e-5."""
     one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
+    # train.eval_tasks at the last step: HSDP gathers its shards to rank 0 for it.
+    scored = {**one_each, "train.eval_tasks": "[attnres_text]"}
     straight_hsdp, hsdp = tmp_path / "straight_hsdp", tmp_path / "hsdp"
-    Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **one_each)),
+    Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **scored)),
             init_distributed()).fit()
     settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED.items()}  # norms 1.4-3.3
-    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **one_each),
+    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **scored),
             *composed_runs(settings, tmp_path, tiny_dataset)]
     result = torchrun_runs(runs, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -296,6 +298,8 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
             assert value == pytest.approx(reference[key][step], rel=1e-5), ("hsdp", key, step)
     # 2 validation batches over 4 data ranks: ranks 2 and 3 run a forward for the shards' sake and count nothing
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
+    assert sorted(task_rows(hsdp)) == [3]
+    assert task_rows(hsdp)[3] == pytest.approx(task_rows(straight_hsdp)[3], rel=1e-5)
     assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
 
 

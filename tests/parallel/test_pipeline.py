@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides, launch_parity_worker, torchrun, torchrun_runs
+from conftest import fast_train_overrides, launch_parity_worker, task_rows, torchrun, torchrun_runs
 from parallel.dims import Degrees, init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
@@ -130,19 +130,25 @@ def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path,
 
 
 def test_checkpoints_move_between_pp_and_single_process(tmp_path, tiny_dataset):
-    """pp2_vp2 -> single and single -> pp2_vp2 both continue with the uninterrupted run's losses."""
+    """pp2_vp2 -> single and single -> pp2_vp2 both continue with the uninterrupted run's losses; pp2_vp2's
+    train.eval_tasks scores at step 2 (both stages' chunks gathered to rank 0) are one process's."""
     straight = tmp_path / "straight"
-    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
+    # train.eval_tasks at step 2: pp2_vp2 gathers both stages' chunks to rank 0 for it.
+    scored = {"train.eval_tasks": "[attnres_text]", "train.eval_tasks_every": 2}
+    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4, **scored)), init_distributed()).fit()
     reference = losses(straight)
 
     pp_first, single_first = tmp_path / "pp_first", tmp_path / "single_first"
     Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 2})),
             init_distributed()).fit()
     result = torchrun_runs([fast_train_overrides(pp_first, tiny_dataset, steps=4, parallel="pp2_vp2",
-                                                 **{"train.stop_after": 2}),
+                                                 **{"train.stop_after": 2}, **scored),
                             fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="pp2_vp2")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     Trainer(load_config(fast_train_overrides(pp_first, tiny_dataset, steps=4)), init_distributed()).fit()
+    assert task_rows(pp_first)[2] == pytest.approx(task_rows(straight)[2], rel=1e-5)
+    assert set(task_rows(pp_first)[2]) == {f"eval/attnres_text/{name}"
+                                           for name in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
 
     for run in (pp_first, single_first):
         resumed = losses(run)

@@ -101,13 +101,6 @@ def test_invalid_value_fails_with_one_clear_line(override, fragment):
     assert "\n" not in message
 
 
-def test_eval_tasks_are_refused_on_layouts_that_split_the_model():
-    """Rank 0 evaluates its whole model; the refusal comes before lm_eval is asked about the names."""
-    with pytest.raises(ConfigError, match=r"^train.eval_tasks runs on rank 0's whole model, which parallel.pp=2, "
-                                          r"parallel.tp=2 splits across ranks; evaluate such a run's exports"):
-        load_config(["parallel.pp=2", "parallel.tp=2", "train.eval_tasks=[attnres_local,no_such_task]"])
-
-
 @pytest.mark.parametrize("precision, device, dtype", [
     ("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16),
     ("bf16", "cpu", torch.bfloat16), ("fp32", "cuda", torch.float32),

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun, torchrun_runs
+from conftest import fast_train_overrides, task_rows, torchrun, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import ConfigError, load_config
@@ -132,12 +132,6 @@ def test_resume_never_refuses_to_overwrite_checkpoints(tmp_path, tiny_dataset):
 # tasks' accuracies, and attnres_text's perplexities, which move with every weight (bits per byte 3.71 -> 3.59).
 EVAL_TASKS = {"train.eval_tasks": "[attnres_local,attnres_text]", "train.eval_tasks_every": 3,
               "train.eval_tasks_limit": 8}
-
-
-def task_rows(run_dir) -> dict:
-    """{step: {"eval/<task>/<metric>": value}} of the run's train.eval_tasks rows."""
-    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in metrics(run_dir)
-            if "eval_tasks_time_s" in r}
 
 
 PLANTED_HANG = {"train.steps": 2, "train.hang_after_s": 1.5, "debug.sleep_at_step": 2, "debug.sleep_s": 3,
