@@ -78,7 +78,7 @@ COMPAT_TESTS ?= tests/kernels/test_attnres_triton.py tests/kernels/test_rmsnorm_
 	tests/parallel/test_fsdp.py::test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways \
 	tests/parallel/test_tensor_parallel.py::test_checkpoints_move_between_tp_ep_or_cp_and_one_process \
 	tests/trainer/test_compile.py::test_compiled_blocks_train_with_the_eager_losses tests/model/test_generation.py \
-	tests/trainer/test_export.py tests/trainer/test_hf_export.py
+	tests/inference/test_export.py tests/inference/test_hf_export.py
 
 compat:
 	@test -n "$(TORCH)" || { echo "make compat: name a torch release, e.g. make compat TORCH=2.11.0" >&2; exit 2; }
@@ -96,7 +96,7 @@ compat:
 # installs them there without an index. --no-deps: each missing dependency is named here (from the index:
 # PIP_CONFIG_FILE=/dev/null leaves out this machine's local wheel folders). fla-core holds
 # fla.ops (chunk_kda), all we use of flash-linear-attention. wandb stays out (a dozen dependencies; imported
-# only when logging.wandb.mode is not disabled), as does lm-eval (trainer.evaluate only). omegaconf 2.3
+# only when logging.wandb.mode is not disabled), as does lm-eval (inference.evaluate only). omegaconf 2.3
 # needs antlr4-python3-runtime 4.9, published only as a source archive: built here into a pure-Python wheel.
 # torchao: train.float8 and scripts/gpu_checks/float8_step.py (3.3 MiB).
 GPU_WHEELS := .gpu/wheels

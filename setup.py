@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-# trainer.evaluate (lm-evaluation-harness as a library) and trainer.export format=hf. transformers is held
+# inference.evaluate (lm-evaluation-harness as a library) and inference.export format=hf. transformers is held
 # to one minor release: the exported model's generate() goes through its cache hand-off, which still moves.
 EVAL = ["transformers>=5.24,<5.25", "lm-eval>=0.4.13,<0.5"]
 
@@ -9,7 +9,7 @@ setup(
     version="0.1.0",
     description="Distributed LLM pretraining with Attention Residuals (AttnRes)",
     python_requires=">=3.10",
-    packages=find_packages(include=["model*", "kernels*", "parallel*", "trainer*", "scripts*"]),
+    packages=find_packages(include=["model*", "kernels*", "parallel*", "trainer*", "inference*", "scripts*"]),
     install_requires=[
         # 2.11 (the CUDA images we are lent) through 2.15, the newest release; what moved between them is
         # in parallel/compat.py, and `make compat TORCH=<version>` runs a subset of the suite on one. CI
@@ -22,9 +22,9 @@ setup(
         # trainer/data/documents.py: reading .parquet and .jsonl.zst inputs (imported only for those).
         "pyarrow>=14",
         "zstandard>=0.22",
-        # trainer.export / trainer.generate: weights in a format that holds only tensors (no pickle).
+        # inference.export / inference.generate: weights in a format that holds only tensors (no pickle).
         "safetensors>=0.4",
-        # trainer.export format=hf: split_torch_state_dict_into_shards (also a dependency of tokenizers).
+        # inference.export format=hf: split_torch_state_dict_into_shards (also a dependency of tokenizers).
         "huggingface_hub>=0.23",
         # The data layer: Megatron's .bin/.idx format, its blends, splits, sample indices and index cache
         # (GPTDataset, BlendedMegatronDatasetBuilder). 0.16 is the release its use here was checked against.

@@ -3,7 +3,7 @@
 Prefill latency (whole prompt) and per-token decode latency with the KDA state and MLA compressed KV
 caches, interleaved across variants, as ratios to the baseline; with --compile also both compiled
 (torch.compile of the whole model: prefill at the prompt's length, and the one-token decode step as
-`trainer.generate compile=true` runs it), as ratios to the compiled baseline. Then the block
+`inference.generate compile=true` runs it), as ratios to the compiled baseline. Then the block
 representations held during prefill (measured from the depth state) against the formula
 N * T * d * bytes, unchunked and with chunked prefill, and the formula at the paper's 128K-token sizes.
 

@@ -29,7 +29,7 @@ from scripts.report import build_report
 from scripts.report.runs import EVAL_FILE
 from trainer.run_dir.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.config import ConfigError, load_config
-from trainer.export import export
+from inference.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
 
 
@@ -57,8 +57,8 @@ def ensure_evaluation(run_dir: Path, evaluation: Evaluation | None, say) -> None
     if evaluation is None or (run_dir / EVAL_FILE).is_file() or latest_checkpoint(run_dir) is None:
         return
     # Imported here: lm_eval belongs to the eval extra, which an experiment without `eval:` does not need.
-    from trainer.evaluate import EvaluateArgs
-    from trainer.evaluate import run as evaluate
+    from inference.evaluate import EvaluateArgs
+    from inference.evaluate import run as evaluate
 
     say(f"{run_dir.name}: evaluating on {', '.join(evaluation.tasks)}")
     export_dir = run_dir / "eval-export"  # the newest checkpoint, exported for the evaluation only

@@ -25,7 +25,7 @@ import torch
 
 from model.residual import DepthTrace
 from trainer.run_dir.checkpoint import CheckpointError
-from trainer.export import parse_key_values, run_cli
+from inference.export import parse_key_values, run_cli
 from trainer.trained import load_trained
 
 RANK_SAMPLES = 4096  # token matrices whose rank is computed (evenly spaced): SVDs of every token are slow

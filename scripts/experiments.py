@@ -7,7 +7,7 @@ An experiment file holds
       - {name: s-block, overrides: [model=s, variant=block]}
 and optionally runs_dir / report_dir (default runs/<name>, reports/<name>) and
     eval: {tasks: [attnres_local], limit: 50, num_fewshot: 0}
-which evaluates every finished run on those lm_eval tasks (trainer.evaluate; run_dir/eval.json) for the
+which evaluates every finished run on those lm_eval tasks (inference.evaluate; run_dir/eval.json) for the
 report's downstream table. `shard=K/N` (command line
 only) keeps every N-th planned run starting at K, so N workers (processes on one machine, or jobs on
 a cluster sharing the runs directory) split one experiment without training a run twice. The files are read with

@@ -34,7 +34,7 @@ import torch
 from parallel.engine import cross_entropy
 from scripts.depth_matrix import token_matrices
 from trainer.run_dir.checkpoint import CheckpointError
-from trainer.export import parse_key_values, run_cli
+from inference.export import parse_key_values, run_cli
 from trainer.trained import load_trained
 
 

@@ -1,4 +1,4 @@
-"""The package layering (docs/ARCHITECTURE.md): kernels -> model -> parallel -> trainer -> scripts -> tests,
+"""The package layering (docs/ARCHITECTURE.md): kernels -> model -> parallel -> trainer -> inference -> scripts -> tests,
 each importing only the layers below it, kernels only torch, triton and the standard library (fla looked
 up inside a function), and no import cycle between modules. Function-local imports count: a cycle hidden
 inside a function is still a cycle."""
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "model", "parallel", "trainer", "scripts", "tests")
+LAYERS = ("kernels", "model", "parallel", "trainer", "inference", "scripts", "tests")
 KERNEL_DEPENDENCIES = {"torch", "triton", *sys.stdlib_module_names}
 KERNEL_LAZY_DEPENDENCIES = {"fla"}  # optional: imported inside the function that uses it
 

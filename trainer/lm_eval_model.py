@@ -1,11 +1,6 @@
-"""Our model inside lm-evaluation-harness: `AttnResLM`, registered as lm_eval model "attnres".
-
-Built from a model in memory (`AttnResLM(model, tokenizer, seq_len)`: the trainer's live model for
-train.eval_tasks), or from an export directory (`AttnResLM.from_export(EXPORT_DIR)`, or, once this module is
-imported, lm_eval's `simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`), which
-is loaded as trainer.generate loads it (safetensors and JSON only, checked against its fingerprint and trained
-context). Only from_export reads exports, and it imports what reads them itself, so the adapter over a model in
-memory needs none of it. `python -m trainer.evaluate` is the command line over it.
+"""Our model inside lm-evaluation-harness: `AttnResLM`, over a model in memory (`AttnResLM(model, tokenizer,
+seq_len)`: the trainer's live model for train.eval_tasks). inference/lm_eval_model.py builds it from an export
+directory and registers it as lm_eval's model "attnres"; `python -m inference.evaluate` is the command line.
 
 Scoring is exact under batching: the model is causal, and nothing in it (depth attention, MoE routing, norms,
 MLA without positional encoding, KDA) mixes a token with a later one, so right-padding a batch leaves every
@@ -19,9 +14,8 @@ import sys
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 # Importing lm_eval.models (for its utils) registers lm_eval's own models, which it does by itself only while its
-# registry is empty: after register_model("attnres") below, "hf" and the rest would be unknown otherwise.
+# registry is empty: after inference.lm_eval_model registers "attnres", "hf" and the rest would be unknown otherwise.
 from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
@@ -76,7 +70,6 @@ def warn_truncated(count: int, total: int, kind: str, context: int) -> None:
               "their first tokens were cut", file=sys.stderr)
 
 
-@register_model("attnres")
 class AttnResLM(TemplateLM):
     def __init__(self, model: torch.nn.Module, tokenizer, seq_len: int, batch_size: int = 8,
                  max_length: int | None = None, device: str | None = None):
@@ -96,31 +89,6 @@ class AttnResLM(TemplateLM):
         self.tokenizer = tokenizer
         self._device = next(model.parameters()).device if device is None else pick_device(device)
         self.model = model.to(self._device).eval()
-
-    @classmethod
-    def from_export(cls, pretrained: str, batch_size: int = 8, max_length: int | None = None,
-                    device: str | None = None, tokenizer: str | None = None) -> "AttnResLM":
-        """The export directory `pretrained` (trainer.export's native format); `tokenizer` a tokenizer.json to
-        use instead of the export's own."""
-        # Imported here: reading exports is for evaluating after training, which the adapter over a live model
-        # (the trainer's) does not need.
-        from trainer.generate import export_config, find_export, load_exported_model, load_tokenizer
-
-        export_dir = find_export("pretrained", str(pretrained))
-        cfg = export_config(export_dir, None)
-        text_tokenizer = load_tokenizer(tokenizer, export_dir, cfg)
-        model = load_exported_model(export_dir, cfg)
-        return cls(model, text_tokenizer, cfg.train.seq_len, batch_size, max_length, device or "auto")
-
-    # lm_eval builds a registered model through these two; both take the export directory as pretrained=.
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "AttnResLM":
-        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "AttnResLM":
-        extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
-        return cls.from_export(**arg_dict, **extra)
 
     @property
     def eot_token_id(self) -> int:

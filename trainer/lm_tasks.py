@@ -1,5 +1,5 @@
 """lm_eval tasks by name: resolving the names (this repository's configs/eval/tasks, then lm_eval's own catalogue),
-running them on an AttnResLM, and their results as metrics per task. trainer.evaluate runs them on an export,
+running them on an AttnResLM, and their results as metrics per task. inference.evaluate runs them on an export,
 the trainer on its live model (train.eval_tasks, trainer/downstream.py).
 """
 from __future__ import annotations

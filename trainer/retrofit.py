@@ -2,7 +2,7 @@
 (`train.trainable`, `train.unfreeze_after`).
 
 init_from loads a trained run's model weights into a freshly built model before step 1 (never on resume):
-from a run, one of its checkpoints, or a Hugging Face export (trainer.export format=hf, read as safetensors).
+from a run, one of its checkpoints, or a Hugging Face export (inference.export format=hf, read as safetensors).
 Every parameter and buffer of the source must exist in the target with the same shape; the target may
 add only depth-read parameters (`*_res.*`, `final_res.*`), which keep their fresh initialisation: zero
 pseudo-queries and unit key-norm gains make every read the uniform average of its sources, which is the
@@ -27,8 +27,7 @@ from torch import nn
 from model.norms import RMSNorm
 from trainer.run_dir.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
-from trainer.export import ExportError, check_finite
-from trainer.hf.export import HFExportError, is_hf_export, read_hf_state
+from trainer.weights import WeightsError, check_finite, is_hf_export, read_hf_state
 
 TRAINABLE = ("all", "residual", "norms")
 
@@ -88,14 +87,14 @@ def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp:
 
 def _source_state(path: Path) -> dict[str, torch.Tensor]:
     """The source's model state (parameters and persistent buffers): a Hugging Face export's safetensors, or a
-    checkpoint through the checkpoint loader; finite, as trainer.generate checks an export (one NaN weight
+    checkpoint through the checkpoint loader; finite, as inference.generate checks an export (one NaN weight
     would make every loss NaN)."""
     from trainer.trained import load_trained
 
     try:
         state = read_hf_state(path) if is_hf_export(path) else load_trained(path).model.state_dict()
         check_finite(state, path)
-    except (HFExportError, ExportError) as error:
+    except WeightsError as error:
         raise CheckpointError(f"init_from={path}: {error}") from None
     return state
 
@@ -105,7 +104,7 @@ def init_from(model: nn.Module, init_path: str) -> Path:
     returns the checkpoint or export read."""
     if not Path(init_path).exists():
         raise ConfigError(f"init_from={init_path} does not exist; give a run directory, one of its checkpoints or "
-                          "a trainer.export format=hf directory")
+                          "a inference.export format=hf directory")
     path = Path(init_path) if is_hf_export(Path(init_path)) else resolve_checkpoint(init_path)
     source = _source_state(path)
     target = model.state_dict()

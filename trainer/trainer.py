@@ -362,7 +362,7 @@ class Trainer:
         if not self.info.is_main:
             return
         write_file(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for trainer.generate
+        if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for inference.generate
             write_file(self.run_dir / "tokenizer.json", self.tokenizer_file.read_bytes())  # verified with its dataset
         if self.pre_decay_step is not None and self.step < self.pre_decay_step:
             pin_checkpoint(self.run_dir, self.pre_decay_step)

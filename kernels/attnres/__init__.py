@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-# Names, not the module: an exported model's flattened copy of this package (trainer/hf/bundle.py) keeps
+# Names, not the module: an exported model's flattened copy of this package (inference/hf/bundle.py) keeps
 # only imports of the form `from MODULE import NAME`.
 from kernels.attnres.reference import depth_attention as reference_depth_attention
 from kernels.attnres.reference import (depth_attention_stacked, depth_scores, inverse_rms, merge, phase1_stacked,

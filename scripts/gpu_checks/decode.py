@@ -1,6 +1,6 @@
 """(f) Compiled decode: baseline, Block and Full at model=s prefill a prompt with their inference caches
 (KDA state, MLA compressed KV) and decode greedily, eager and then with the one-token step compiled as
-`trainer.generate compile=true` runs it (model.generation.decode_step). The compiled tokens must be the
+`inference.generate compile=true` runs it (model.generation.decode_step). The compiled tokens must be the
 eager ones; the figures are ms per decoded token and each variant's ratio to the baseline
 (scripts.bench_inference's rounds: variants interleaved, the first round warms up and compiles).
 

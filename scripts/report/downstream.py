@@ -54,7 +54,7 @@ def downstream_section(groups: list[Group]) -> list[str]:
             diff = "-" if base is None or base is group else diff_text(by_seed, scores(base, task, metric))
             rows.append(f"| {task} | {metric} | {group.size} | {group.variant} | {value_text(by_seed)} | {diff} |")
     return ["## Downstream tasks", "",
-            "lm_eval on each run's final weights (`trainer.evaluate`; the experiment's `eval.tasks`). A paired "
+            "lm_eval on each run's final weights (`inference.evaluate`; the experiment's `eval.tasks`). A paired "
             "difference is the variant minus its baseline, seed by seed.",
             "", "| task | metric | size | variant | value | paired diff to baseline |", "|---|---|---|---|---|---|",
             *rows, ""]

@@ -1,6 +1,6 @@
 """Read finished (or unfinished) run directories: config.yaml, metrics.jsonl (training rows, and the lm_eval
 task rows of train.eval_tasks), diagnostics.jsonl, and eval.json when the comparison tool evaluated the run
-(trainer.evaluate's results).
+(inference.evaluate's results).
 
 Runs are grouped by (setting, residual variant) read from their resolved config, so the report
 works the same on runs the comparison tool trained and on run directories copied from a cluster. The
@@ -314,7 +314,7 @@ class Run:
                            for metric, measured in entry["metrics"].items() if measured["value"] is not None}
                     for task, entry in tasks.items()}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"{path} is not trainer.evaluate's results ({error!r}); delete it to evaluate again") \
+            raise ValueError(f"{path} is not inference.evaluate's results ({error!r}); delete it to evaluate again") \
                 from None
 
     @cached_property

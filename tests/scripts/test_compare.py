@@ -127,7 +127,7 @@ def test_a_bad_eval_block_is_one_clear_line(tmp_path, capsys):
 
 
 def test_the_quick_experiment_evaluates_on_the_local_tasks():
-    from trainer.evaluate import LOCAL_TASKS, task_manager_for
+    from inference.evaluate import LOCAL_TASKS, task_manager_for
 
     evaluation = load_experiment("quick").evaluation
     assert evaluation.tasks == ["attnres_local"]

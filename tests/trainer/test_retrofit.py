@@ -146,7 +146,7 @@ def test_a_missing_init_from_is_one_error_line(tmp_path, tiny_dataset):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: init_from={tmp_path / 'nowhere'} does not exist; give a run directory, one of its checkpoints or "
-        "a trainer.export format=hf directory"]
+        "a inference.export format=hf directory"]
     assert not (run / "checkpoints").exists()
 
 

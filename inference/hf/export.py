@@ -1,4 +1,4 @@
-"""Write and read a Hugging Face export: `python -m trainer.export checkpoint=RUN out=DIR format=hf`.
+"""Write and read a Hugging Face export: `python -m inference.export checkpoint=RUN out=DIR format=hf`.
 
 The directory holds what `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and
 `AutoTokenizer.from_pretrained(DIR)` read:
@@ -19,29 +19,20 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from trainer.data import EOT_TOKEN
-from trainer.hf.bundle import write_bundle
+from inference.hf.bundle import write_bundle
+from trainer.weights import CONFIG_FILE, INDEX_FILE, PREFIX, WEIGHTS_PATTERN
 
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-WEIGHTS_PATTERN = "model{suffix}.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
-MODEL_TYPE = "attnres"
-PREFIX = "model."  # AttnResForCausalLM holds our Decoder as .model
 AUTO_MAP = {"AutoConfig": "configuration_attnres.AttnResConfig",
             "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM"}
 
 
-class HFExportError(ValueError):
-    """An unreadable Hugging Face export; the message is one line."""
-
-
 def hf_config(model_cfg, seq_len: int, eot_id: int | None) -> dict:
     """config.json of the export, as transformers' AttnResConfig would write it."""
-    from trainer.hf.configuration_attnres import AttnResConfig
+    from inference.hf.configuration_attnres import AttnResConfig
 
     config = AttnResConfig(attnres_model=dataclasses.asdict(model_cfg), max_position_embeddings=seq_len,
                            eos_token_id=eot_id, architectures=["AttnResForCausalLM"])
@@ -90,38 +81,3 @@ def write_hf_export(out: Path, model_cfg, state: dict[str, torch.Tensor], seq_le
     if tokenizer.is_file():
         write_tokenizer(tokenizer, out, seq_len, copy)
     return f"{shards} safetensors shard{'s' if shards > 1 else ''}, {len(code)} code files"
-
-
-def is_hf_export(path: Path) -> bool:
-    """A directory trainer.export format=hf wrote (config.json of model_type attnres), read as JSON only."""
-    try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
-
-
-def weight_files(path: Path) -> list[Path]:
-    if (path / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise HFExportError(f"{path / INDEX_FILE} could not be read ({error})") from None
-        return [path / name for name in sorted(set(weight_map.values()))]
-    return [path / WEIGHTS_PATTERN.format(suffix="")]
-
-
-def read_hf_state(path: Path) -> dict[str, torch.Tensor]:
-    """Our Decoder's state dict from an HF export's safetensors (plain tensors: nothing in them runs code)."""
-    state = {}
-    for file in weight_files(path):
-        if file.parent != path or not file.is_file():
-            raise HFExportError(f"{file} is not a weights file of the export {path}; re-export with trainer.export")
-        try:
-            state.update(load_file(file))
-        except (OSError, SafetensorError) as error:
-            raise HFExportError(f"{file} could not be read ({str(error).splitlines()[0]})") from None
-    outside = [name for name in state if not name.startswith(PREFIX)]
-    if outside:
-        raise HFExportError(f"{path}: weight {outside[0]} is not under {PREFIX!r}; not an AttnRes export")
-    return {name[len(PREFIX):]: tensor for name, tensor in state.items()}

@@ -2,8 +2,8 @@
 
 transformers loads remote code from one flat directory and copies a module's relative imports
 (`from .NAME import ...`) beside it, so every module the HF classes need from `model`, `kernels` and
-`trainer.hf` is written as one file (`model/residual/attnres.py` -> `model_residual_attnres.py`,
-`trainer.hf.X` -> `X.py`) whose imports of our modules become `from .FLAT import NAMES`. One source of
+`inference.hf` is written as one file (`model/residual/attnres.py` -> `model_residual_attnres.py`,
+`inference.hf.X` -> `X.py`) whose imports of our modules become `from .FLAT import NAMES`. One source of
 truth: the exported model runs the code the trainer ran, never a copy kept by hand.
 
 Left out: the Triton kernels and fla (the export runs plain torch, with `kernel_impl="reference"`). Their
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY_MODULES = ("trainer.hf.configuration_attnres", "trainer.hf.modeling_attnres")
-OUR_PACKAGES = ("model", "kernels", "trainer")
-HF_PACKAGE = "trainer.hf"
+ENTRY_MODULES = ("inference.hf.configuration_attnres", "inference.hf.modeling_attnres")
+OUR_PACKAGES = ("model", "kernels", "trainer", "inference")
+HF_PACKAGE = "inference.hf"
 # Our modules that never go into an export: the fused kernels and what only they use.
 LEFT_OUT = ("kernels.launch", "kernels.aot")
 THIRD_PARTY = ("torch", "transformers")
@@ -107,7 +107,7 @@ def rewrite_source(source: str, origin: str) -> tuple[str, set[str]]:
         edits.append((node.lineno - 1, node.end_lineno, first[:node.col_offset] + replacement))
     for start, end, text in sorted(edits, reverse=True):
         lines[start:end] = [text]
-    header = f"# Written by `python -m trainer.export format=hf` from {origin}; do not edit."
+    header = f"# Written by `python -m inference.export format=hf` from {origin}; do not edit."
     return "\n".join([header, *lines]) + "\n", imported
 
 

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from model.decoder import Decoder
 from model.init import initialise
-from trainer.hf.configuration_attnres import AttnResConfig
+from inference.hf.configuration_attnres import AttnResConfig
 
 # The output's cache field: `cache` from transformers 5.2x, `past_key_values` before.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

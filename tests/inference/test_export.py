@@ -1,4 +1,4 @@
-"""`python -m trainer.export`: a checkpoint's weights as model.safetensors + config.json (+ tokenizer.json),
+"""`python -m inference.export`: a checkpoint's weights as model.safetensors + config.json (+ tokenizer.json),
 written all at once; bad requests get one clear line and leave what is on disk untouched."""
 import json
 import os
@@ -17,7 +17,7 @@ from model import build_model
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import latest_checkpoint, load_checkpoint, read_meta
 from trainer.config import load_config
-from trainer.export import ExportArgs, export, main, safetensors_ready
+from inference.export import ExportArgs, export, main, safetensors_ready
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +31,8 @@ def run_dir(tmp_path_factory, tiny_dataset):
 
 
 def run_cli(*args):
-    """trainer.export in its own process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True,
+    """inference.export in its own process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "inference.export", *args], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
 
 

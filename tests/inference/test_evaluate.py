@@ -1,4 +1,4 @@
-"""`python -m trainer.evaluate` and its lm_eval adapter (trainer/lm_eval_model.py): batched scoring equals
+"""`python -m inference.evaluate` and its lm_eval adapter (trainer/ and inference/lm_eval_model.py): batched scoring equals
 scoring one request at a time, rolling windows cover a long text exactly, generation is generate's greedy
 text cut at a stop string, the CLI writes local-task and perplexity results; bad input gets one line."""
 import json
@@ -15,15 +15,16 @@ from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
 import trainer.check
-import trainer.evaluate
+import inference.evaluate
 from conftest import cli_error, fast_train_overrides
 from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.config import load_config
 from trainer.data.format import read_manifest
-from trainer.evaluate import main
-from trainer.export import export
-from trainer.generate import GenerateError
+from inference.evaluate import main
+from inference.export import export
+from inference.generate import GenerateError
+from inference.lm_eval_model import ExportedAttnResLM
 from trainer.lm_eval_model import AttnResLM, LMEvalError
 from trainer.trainer import Trainer
 
@@ -42,7 +43,7 @@ def export_dir(tmp_path_factory, tiny_dataset):
 
 @pytest.fixture(scope="module")
 def lm(export_dir):
-    return AttnResLM.from_export(str(export_dir), batch_size=3)
+    return ExportedAttnResLM.from_export(str(export_dir), batch_size=3)
 
 
 @torch.no_grad()
@@ -139,7 +140,7 @@ def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
 
     results = lm_eval.simple_evaluate(model="attnres", model_args=f"pretrained={export_dir},batch_size=2",
                                       tasks=["attnres_mc_words"], limit=2, log_samples=False,
-                                      task_manager=TaskManager(include_path=str(trainer.evaluate.LOCAL_TASKS),
+                                      task_manager=TaskManager(include_path=str(inference.evaluate.LOCAL_TASKS),
                                                                include_defaults=False))
     assert 0 <= results["results"]["attnres_mc_words"]["acc,none"] <= 1
 
@@ -147,7 +148,7 @@ def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
 def test_registering_attnres_leaves_lm_evals_own_models():
     # lm_eval registers its own models only when its registry is empty at the first lookup: in a fresh process
     # (this one has imported them already), importing the adapter first must not hide them.
-    check = "import trainer.lm_eval_model; from lm_eval.api.registry import model_registry; assert 'hf' in model_registry"
+    check = "import inference.lm_eval_model; from lm_eval.api.registry import model_registry; assert 'hf' in model_registry"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -200,7 +201,7 @@ def no_model_load(monkeypatch):
     """Bad input must be refused before the model is loaded."""
     def refuse(*args):
         raise AssertionError("the model was loaded before the input was checked")
-    monkeypatch.setattr(trainer.evaluate, "load_exported_model", refuse)
+    monkeypatch.setattr(inference.evaluate, "load_exported_model", refuse)
 
 
 def test_an_unknown_task_is_one_line(export_dir, tmp_path, capsys, no_model_load):
@@ -271,10 +272,10 @@ def test_task_code_outside_the_repositorys_tasks_runs_only_with_allow_task_code(
     (shared / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !function mod.load\n")
     err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
     assert err.startswith(f"error: include_path={tasks}: {shared / 'base.yaml'}:2 runs Python (!function)")
-    assert trainer.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
-    assert trainer.evaluate.check_include_path(None, allow_task_code=False) == trainer.evaluate.LOCAL_TASKS
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
+    assert inference.evaluate.check_include_path(None, allow_task_code=False) == inference.evaluate.LOCAL_TASKS
 
 
 def test_help_prints_the_usage(capsys):
     main(["--help"])
-    assert "python -m trainer.evaluate model=EXPORT_DIR" in capsys.readouterr().out
+    assert "python -m inference.evaluate model=EXPORT_DIR" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Export a checkpoint's weights for inference: `python -m trainer.export checkpoint=RUN_OR_CKPT out=DIR`
+"""Export a checkpoint's weights for inference: `python -m inference.export checkpoint=RUN_OR_CKPT out=DIR`
 
 Options (key=value):
   checkpoint=     (required) a run directory (its newest checkpoint) or one checkpoint directory
@@ -7,8 +7,8 @@ Options (key=value):
   out=            (required) the export directory to write; it must not exist or be empty
   overwrite=false replace an existing export in out (a directory holding only an export's files: anything
                   else in it is refused, never deleted)
-  format=native   native: the files below, for trainer.generate and trainer.evaluate; hf: a Hugging Face
-                  transformers model (trainer/hf/export.py), loaded with
+  format=native   native: the files below, for inference.generate and inference.evaluate; hf: a Hugging Face
+                  transformers model (inference/hf/export.py), loaded with
                   AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
   max_shard_size=5GB  format=hf: the largest safetensors file (bytes, or a number with KB, MB or GB); larger
                   weights are split into shards with an index
@@ -19,7 +19,7 @@ format=native writes, all at once (a temporary directory renamed into place, so 
   out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
   out/tokenizer.json     a copy of the run's tokenizer, when the run has one (a regular file: a symlink
                          is refused, so a link planted in a run cannot copy its target into the export)
-`python -m trainer.generate model=out prompt=...` then loads only these files, and refuses a config.json
+`python -m inference.generate model=out prompt=...` then loads only these files, and refuses a config.json
 that no longer matches its model_fingerprint or the context recorded in model.safetensors.
 """
 from __future__ import annotations
@@ -41,8 +41,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
-from trainer.hf.export import is_hf_export, write_hf_export
+from inference.hf.export import write_hf_export
 from trainer.trained import load_trained
+from trainer.weights import WeightsError, check_finite, is_hf_export
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -262,7 +263,7 @@ def read_export_config(export_dir: Path) -> dict:
     except (OSError, ValueError) as error:
         raise ExportError(f"{export_dir / CONFIG_FILE} could not be read ({str(error).splitlines()[0]})") from None
     if not isinstance(described, dict) or not isinstance(described.get("config"), dict):
-        raise ExportError(f"{export_dir / CONFIG_FILE} has no \"config\" object; re-export with trainer.export")
+        raise ExportError(f"{export_dir / CONFIG_FILE} has no \"config\" object; re-export with inference.export")
     step = described.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ExportError(f"{export_dir / CONFIG_FILE} has step {step!r}; expected an integer >= 0")
@@ -288,10 +289,10 @@ def check_trained_context(export_dir: Path, seq_len: int) -> None:
         raise _unreadable(file, error) from None
     if recorded is None and not 0 < seq_len <= MAX_CONTEXT:
         raise ExportError(f"{config} has train.seq_len={seq_len}, not a trained context (1 to {MAX_CONTEXT:,} "
-                          "tokens); restore it or re-export with trainer.export")
+                          "tokens); restore it or re-export with inference.export")
     if recorded is not None and recorded != str(seq_len):
         raise ExportError(f"{config} has train.seq_len={seq_len} but {file} was trained at seq_len={recorded}; "
-                          "restore config.json or re-export with trainer.export")
+                          "restore config.json or re-export with inference.export")
 
 
 def read_exported_weights(model: torch.nn.Module, export_dir: Path) -> dict[str, torch.Tensor]:
@@ -313,17 +314,11 @@ def read_exported_weights(model: torch.nn.Module, export_dir: Path) -> dict[str,
         problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                     for label, names in found if names]
         raise ExportError(f"{file} does not match the model of {CONFIG_FILE} ({'; '.join(problems)})")
-    check_finite(state, file)
+    try:
+        check_finite(state, file)
+    except WeightsError as error:
+        raise ExportError(str(error)) from None
     return state
-
-
-def check_finite(state: dict[str, torch.Tensor], source: Path) -> None:
-    """Every floating-point tensor read from `source` finite: one NaN or inf weight makes every output NaN."""
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise ExportError(f"{source}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
-                              f"{tensor.numel():,}; export a checkpoint whose weights are finite")
 
 
 def run_cli(argv: list[str] | None, usage: str, work, errors: tuple[type[Exception], ...]) -> None:

@@ -1,13 +1,13 @@
-"""Generate text from an exported model: `python -m trainer.generate model=EXPORT_DIR prompt="..." ...`
+"""Generate text from an exported model: `python -m inference.generate model=EXPORT_DIR prompt="..." ...`
 
-First export a checkpoint of your own run: `python -m trainer.export checkpoint=runs/train out=runs/train/export`.
+First export a checkpoint of your own run: `python -m inference.export checkpoint=runs/train out=runs/train/export`.
 Generation loads only the export (model.safetensors + config.json: plain tensors and JSON, nothing that
 runs code), never a training checkpoint, so an export from elsewhere is safe to load. An export whose
 config.json no longer matches its model_fingerprint or the context model.safetensors was trained at, or
 whose weights hold NaN or inf, is refused.
 
 Options (key=value, default after the =):
-  model=            (required) an export directory written by trainer.export
+  model=            (required) an export directory written by inference.export
   checkpoint=       the older name of model=, still accepted
   prompt=           (required) the text to continue, encoded with the export's tokenizer
   max_new_tokens=64 tokens to generate (> 0); prompt + max_new_tokens must fit the trained context
@@ -36,7 +36,7 @@ from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE
                                 model_fingerprint)
 from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data.format import tokenizer_vocab_size
-from trainer.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
+from inference.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
                             parse_key_values, read_exported_weights, read_export_config, run_cli)
 
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
@@ -68,7 +68,7 @@ def validate(args: GenerateArgs) -> tuple[str, str]:
                             "of model=, give one")
     key, export_dir = ("model", args.model) if args.model else ("checkpoint", args.checkpoint)
     if not export_dir:
-        raise GenerateError("model= is required: an export directory written by python -m trainer.export")
+        raise GenerateError("model= is required: an export directory written by python -m inference.export")
     if not args.prompt:
         raise GenerateError("prompt= is empty; give the text to continue")
     checks = (
@@ -87,12 +87,12 @@ def validate(args: GenerateArgs) -> tuple[str, str]:
 
 
 def _export_command(path: Path) -> str:
-    """The trainer.export command for a run or checkpoint directory, writing next to the run's files."""
+    """The inference.export command for a run or checkpoint directory, writing next to the run's files."""
     if STEP_DIR.fullmatch(path.name) and path.parent.name == CHECKPOINTS_DIR:
         out = path.parent.parent / f"export-{path.name}"
     else:
         out = path / "export"
-    return f"python -m trainer.export checkpoint={shlex.quote(str(path))} out={shlex.quote(str(out))}"
+    return f"python -m inference.export checkpoint={shlex.quote(str(path))} out={shlex.quote(str(out))}"
 
 
 def find_export(key: str, given: str) -> Path:
@@ -100,7 +100,7 @@ def find_export(key: str, given: str) -> Path:
     path = Path(given)
     if not path.exists():
         raise GenerateError(f"{key}={path} does not exist; give an export directory written by "
-                            "python -m trainer.export")
+                            "python -m inference.export")
     if (path / MODEL_FILE).is_file() and (path / CONFIG_FILE).is_file():
         return path
     if (path / CHECKPOINTS_DIR).is_dir() or (path / META_FILE).is_file() or (path / DCP_METADATA).is_file():
@@ -109,7 +109,7 @@ def find_export(key: str, given: str) -> Path:
                             f"`{_export_command(path)}` and pass that out= as model=")
     missing = [name for name in (MODEL_FILE, CONFIG_FILE) if not (path / name).is_file()]
     raise GenerateError(f"{key}={path} is not an export directory: missing {', '.join(missing)} "
-                        "(write one with python -m trainer.export)")
+                        "(write one with python -m inference.export)")
 
 
 def export_config(export_dir: Path, variant: str | None) -> Config:
@@ -133,13 +133,13 @@ def check_fingerprint(described: dict, cfg: Config, file: Path) -> None:
     written = described.get("model_fingerprint")
     if not isinstance(written, str):
         raise GenerateError(f"{file} has no model_fingerprint, so its config cannot be checked; re-export with "
-                            "trainer.export")
+                            "inference.export")
     # The trainer's fingerprint: the model's, plus the optimizer (trainer/trainer.py).
     difference = fingerprint_difference(written, f"{model_fingerprint(cfg.model)} optim={cfg.optim.name}")
     if difference is not None:
         fingerprinted, configured = difference
         raise GenerateError(f"{file} says {configured} but its model_fingerprint says {fingerprinted}: the config "
-                            "was edited after export; restore it or re-export with trainer.export")
+                            "was edited after export; restore it or re-export with inference.export")
 
 
 def load_tokenizer(path: str | None, export_dir: Path, cfg: Config):

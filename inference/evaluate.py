@@ -1,14 +1,14 @@
 """Evaluate an exported model on lm-evaluation-harness tasks and on the perplexity of prepared datasets:
 
-    python -m trainer.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json
+    python -m inference.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json
 
-Tasks run in lm-evaluation-harness (lm_eval) through trainer/lm_eval_model.py; perplexity is measured here.
-Only the export is loaded (model.safetensors + config.json, as trainer.generate loads it). Every input is
+Tasks run in lm-evaluation-harness (lm_eval) through inference/lm_eval_model.py; perplexity is measured here.
+Only the export is loaded (model.safetensors + config.json, as inference.generate loads it). Every input is
 checked before the model is loaded: a missing export or dataset, a dataset of another tokenizer, or an
 unknown task name is one `error:` line and exit code 2.
 
 Options (key=value, default after the =; give tasks=, perplexity= or both):
-  model=            (required) an export directory written by python -m trainer.export
+  model=            (required) an export directory written by python -m inference.export
   tasks=            lm_eval tasks or groups, comma-separated. The local ones live in include_path and need no
                     network: attnres_local, the group of attnres_mc_words (multiple choice) and
                     attnres_gen_words (generation), and attnres_text (perplexity). lm_eval's own
@@ -45,8 +45,9 @@ from model.documents import document_starts
 from trainer.config import Config
 from trainer.data import BlendSamples, default_cache_dir, resolve_blend
 from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, sha256_file, verify_dataset
-from trainer.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
-from trainer.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
+from inference.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
+from inference.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
+from inference.lm_eval_model import ExportedAttnResLM
 from trainer.lm_eval_model import AttnResLM, LMEvalError, pick_device
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 from trainer.run_dir.safe_io import write_file
@@ -108,7 +109,7 @@ def check_out(out: str | None) -> Path | None:
 def check_options(args: EvaluateArgs) -> None:
     """Every option that needs no file."""
     if not args.model:
-        raise EvaluateError("model= is required: an export directory written by python -m trainer.export")
+        raise EvaluateError("model= is required: an export directory written by python -m inference.export")
     if not args.tasks and not args.perplexity:
         raise EvaluateError("nothing to evaluate: give tasks=NAME[,NAME] (e.g. tasks=attnres_local), "
                             "perplexity=DATASET[,DATASET], or both")
@@ -224,7 +225,7 @@ def run(args: EvaluateArgs) -> str:
     datasets = {name: check_dataset(name, tokenizer_file, cfg) for name in dataset_names}
     manager = task_manager_for(task_names, check_include_path(args.include_path, args.allow_task_code)) if task_names else None
 
-    lm = AttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
+    lm = ExportedAttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
                    device=device)
     tasks = run_tasks(lm, task_names, manager, limit, args.num_fewshot) if task_names else {}
     perplexity = {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()}

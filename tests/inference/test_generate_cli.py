@@ -1,4 +1,4 @@
-"""`python -m trainer.generate`: loads only an export (safetensors + JSON), refuses training checkpoints
+"""`python -m inference.generate`: loads only an export (safetensors + JSON), refuses training checkpoints
 without reading them, and checks every input before any work; bad input gets one clear line."""
 import dataclasses
 import json
@@ -22,8 +22,8 @@ from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
-from trainer.export import ExportError, export
-from trainer.generate import GenerateArgs, GenerateError, export_config, load_exported_model, main
+from inference.export import ExportError, export
+from inference.generate import GenerateArgs, GenerateError, export_config, load_exported_model, main
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +44,8 @@ def export_dir(run_dir):
 
 
 def run_cli(*args):
-    """trainer.generate in its own process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "trainer.generate", *args], capture_output=True, text=True,
+    """inference.generate in its own process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "inference.generate", *args], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
 
 
@@ -135,7 +135,7 @@ def test_run_and_checkpoint_dirs_are_refused_unread(run_dir, tmp_path, capsys, t
     assert cli_error(capsys, main, [f"model={given}", "prompt=the king", "max_new_tokens=3"]) == (
         f"error: model={given} is a training run or checkpoint, which generate does not load (DCP checkpoints are "
         "pickle-based, safe only from trusted sources); export it first with "
-        f"`python -m trainer.export checkpoint={given} out={out}` and pass that out= as model=")
+        f"`python -m inference.export checkpoint={given} out={out}` and pass that out= as model=")
     assert not marker.exists()
 
 
@@ -182,13 +182,13 @@ def test_bad_input_fails_with_one_line(export_dir, capsys, args, fragment):
 
 def test_model_must_be_given_and_be_an_export(export_dir, tmp_path, capsys):
     assert cli_error(capsys, main, ["prompt=hi"]) == (
-        "error: model= is required: an export directory written by python -m trainer.export")
+        "error: model= is required: an export directory written by python -m inference.export")
     partial = tmp_path / "partial"
     partial.mkdir()
     shutil.copy(export_dir / "config.json", partial)
     assert cli_error(capsys, main, [f"model={partial}", "prompt=hi", "max_new_tokens=1"]) == (
         f"error: model={partial} is not an export directory: missing model.safetensors "
-        "(write one with python -m trainer.export)")
+        "(write one with python -m inference.export)")
 
 
 def edited_copy(export_dir, target, edit):
@@ -218,11 +218,11 @@ def test_a_config_edited_after_export_is_refused_by_its_fingerprint(export_dir, 
                          lambda described: described["config"]["model"]["residual"].update(block_size=4))
     assert cli_error(capsys, main, [f"model={edited}", "prompt=the king", "max_new_tokens=1"]) == (
         f"error: {edited / 'config.json'} says variant.block_size=4 but its model_fingerprint says "
-        "variant.block_size=None: the config was edited after export; restore it or re-export with trainer.export")
+        "variant.block_size=None: the config was edited after export; restore it or re-export with inference.export")
     unchecked = edited_copy(export_dir, tmp_path / "unchecked", lambda described: described.pop("model_fingerprint"))
     assert cli_error(capsys, main, [f"model={unchecked}", "prompt=the king", "max_new_tokens=1"]) == (
         f"error: {unchecked / 'config.json'} has no model_fingerprint, so its config cannot be checked; re-export "
-        "with trainer.export")
+        "with inference.export")
 
 
 def test_non_finite_weights_are_refused_naming_the_tensor(export_dir, tmp_path, capsys):
@@ -246,12 +246,12 @@ def test_a_context_beyond_what_the_weights_were_trained_at_is_refused(export_dir
     args = ["prompt=the king", "max_new_tokens=40"]
     assert cli_error(capsys, main, [f"model={stretched}", *args]) == (
         f"error: {stretched / 'config.json'} has train.seq_len=1000000000000 but {stretched / 'model.safetensors'} "
-        "was trained at seq_len=32; restore config.json or re-export with trainer.export")
+        "was trained at seq_len=32; restore config.json or re-export with inference.export")
     # An export written before the context was recorded: train.seq_len must still be a plausible one.
     save_file(load_file(stretched / "model.safetensors"), stretched / "model.safetensors")
     assert cli_error(capsys, main, [f"model={stretched}", *args]) == (
         f"error: {stretched / 'config.json'} has train.seq_len=1000000000000, not a trained context (1 to 1,048,576 "
-        "tokens); restore it or re-export with trainer.export")
+        "tokens); restore it or re-export with inference.export")
 
 
 def test_help_prints_every_option_with_its_default_and_exits_0(capsys):

@@ -1,4 +1,4 @@
-"""trainer.export format=hf: transformers loads the export with trust_remote_code and reproduces our logits
+"""inference.export format=hf: transformers loads the export with trust_remote_code and reproduces our logits
 and greedy tokens for every residual family; the exported code is our own source, flattened, needing only
 torch and transformers; the export goes back into our trainer through init_from."""
 import json
@@ -16,10 +16,11 @@ from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import CheckpointError
 from trainer.config import load_config
-from trainer.export import export
-from trainer.generate import export_config, load_exported_model
-from trainer.hf.bundle import BundleError, rewrite_source, write_bundle
-from trainer.hf.export import INDEX_FILE, read_hf_state, write_hf_export
+from inference.export import export
+from inference.generate import export_config, load_exported_model
+from inference.hf.bundle import BundleError, rewrite_source, write_bundle
+from inference.hf.export import write_hf_export
+from trainer.weights import INDEX_FILE, read_hf_state
 from trainer.retrofit import init_from
 from trainer.trainer import Trainer
 

@@ -1,0 +1,38 @@
+"""An export inside lm-evaluation-harness: `ExportedAttnResLM`, registered as lm_eval's model "attnres".
+
+`ExportedAttnResLM.from_export(EXPORT_DIR)`, or, once this module is imported, lm_eval's
+`simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`, loads the export as
+inference.generate does (safetensors and JSON only, checked against its fingerprint and trained context) into
+trainer/lm_eval_model.py's AttnResLM, the adapter the trainer also runs on its live model.
+"""
+from __future__ import annotations
+
+from lm_eval import utils as lm_utils
+from lm_eval.api.registry import register_model
+
+from inference.generate import export_config, find_export, load_exported_model, load_tokenizer
+from trainer.lm_eval_model import AttnResLM
+
+
+@register_model("attnres")
+class ExportedAttnResLM(AttnResLM):
+    @classmethod
+    def from_export(cls, pretrained: str, batch_size: int = 8, max_length: int | None = None,
+                    device: str | None = None, tokenizer: str | None = None) -> ExportedAttnResLM:
+        """The export directory `pretrained` (inference.export's native format); `tokenizer` a tokenizer.json to
+        use instead of the export's own."""
+        export_dir = find_export("pretrained", str(pretrained))
+        cfg = export_config(export_dir, None)
+        text_tokenizer = load_tokenizer(tokenizer, export_dir, cfg)
+        model = load_exported_model(export_dir, cfg)
+        return cls(model, text_tokenizer, cfg.train.seq_len, batch_size, max_length, device or "auto")
+
+    # lm_eval builds a registered model through these two; both take the export directory as pretrained=.
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> ExportedAttnResLM:
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> ExportedAttnResLM:
+        extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
+        return cls.from_export(**arg_dict, **extra)
