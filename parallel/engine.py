@@ -1,5 +1,5 @@
-"""An engine runs one step's forward and backward over this rank's micro-batches, evaluates, and clips
-gradients, whatever the layout: `DataParallelEngine` when pp == 1 (DDP over the data ranks, or FSDP2's own
+"""An engine runs one step's forward and backward over this rank's micro-batches, totals the validation
+loss, and clips gradients, whatever the layout: `DataParallelEngine` when pp == 1 (DDP over the data ranks, or FSDP2's own
 reduce-scatter when fsdp > 1), `PipelineEngine` when pp > 1 (the pipeline schedule with the cross-stage block
 cache). `Engine` is what the trainer may ask of either; `build_engine` picks one.
 """
@@ -39,7 +39,7 @@ class Engine(Protocol):
     def forward_backward(self, micro_batches, autocast, diagnostics: dict | None) -> torch.Tensor:
         """The step's mean loss over all tokens of all ranks; the gradients are complete and averaged."""
 
-    def evaluate(self, batches, autocast) -> tuple[float, int]:
+    def loss_totals(self, batches, autocast) -> tuple[float, int]:
         """(sum of loss * tokens, tokens) over the batches, totalled over the ranks that split them."""
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -127,7 +127,7 @@ class DataParallelEngine:
         return all_reduce(total, self.layout.dp_cp_group) / self.layout.dp_cp
 
     @torch.no_grad()
-    def evaluate(self, batches, autocast) -> tuple[float, int]:
+    def loss_totals(self, batches, autocast) -> tuple[float, int]:
         """(sum of loss * tokens, tokens) over this rank's share of the batches."""
         self.model.eval()
         loss_sum, tokens = 0.0, 0
@@ -199,7 +199,7 @@ class PipelineEngine:
         return all_reduce(all_reduce(loss, self.layout.tp_group), self.layout.dp_cp_group) / self.layout.dp_cp
 
     @torch.no_grad()
-    def evaluate(self, batches, autocast) -> tuple[float, int]:
+    def loss_totals(self, batches, autocast) -> tuple[float, int]:
         """Groups `microbatches` batches into one pipeline evaluation; incomplete groups are dropped."""
         batches = [b for b in batches if b[0].shape[0] == batches[0][0].shape[0]] if batches else []
         groups = [batches[i:i + self.microbatches] for i in range(0, len(batches) - self.microbatches + 1,

@@ -397,7 +397,7 @@ class Trainer:
                     comm_logged = True
                 log.advance(record["loss"], record["tokens_per_s"])
                 if self.step % train.eval_every == 0 or self.step == train.steps:
-                    record["val_loss"] = self.evaluate()
+                    record["val_loss"] = self.validation_loss()
                 diagnostics = record.pop("diagnostics", None)  # its own file; metrics rows stay flat scalars
                 if self.step % train.log_every == 0 or "val_loss" in record or self.step == train.steps:
                     log.log(record)
@@ -557,12 +557,12 @@ class Trainer:
             out["depth_entropy"] = {str(l): entropy(list(row.values())) for l, row in weights.items()}
         return out
 
-    def evaluate(self) -> float:
+    def validation_loss(self) -> float:
         """Mean loss over the fixed validation samples; data-parallel ranks split the batches."""
         train = self.cfg.train
         batches = [tuple(t.to(self.info.device) for t in batch)
                    for batch in self.samples.val_batches(train.micro_batch, train.eval_batches)]
-        loss_sum, tokens = self.engine.evaluate(batches, self._autocast)
+        loss_sum, tokens = self.engine.loss_totals(batches, self._autocast)
         totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
         if self.layout.dp_group is not None:
             torch.distributed.all_reduce(totals, group=self.layout.dp_group)

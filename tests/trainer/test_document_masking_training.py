@@ -50,7 +50,7 @@ def test_the_engine_masks_documents_in_the_step_and_in_evaluation(tmp_path, shor
 
         masked, unmasked = loss(document_starts=starts), loss()
         assert abs(masked.item() - unmasked.item()) > 1e-3  # the control: masking changes what is computed
-        loss_sum, tokens = trainer.engine.evaluate([(inputs, targets)], contextlib.nullcontext)
+        loss_sum, tokens = trainer.engine.loss_totals([(inputs, targets)], contextlib.nullcontext)
         assert loss_sum / tokens == pytest.approx(masked.item(), rel=1e-6)
 
         expected = torch.autograd.grad(masked, [p for p in model.parameters()], allow_unused=True)

@@ -44,7 +44,7 @@ def train(overrides):
 def step0_val_loss(overrides) -> float:
     trainer = Trainer(load_config(overrides), init_distributed())
     try:
-        return trainer.evaluate()
+        return trainer.validation_loss()
     finally:
         trainer.close()
 
