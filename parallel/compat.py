@@ -69,3 +69,13 @@ def fsdp_hooks_reach_dataclass_outputs() -> None:
 DDP_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                               else {"broadcast_buffers": False})
+
+
+def context_parallel_refusal() -> str | None:
+    """Why parallel.cp > 1 cannot run on this torch, or None. On 2.11 a cp2 step hangs in its first backward,
+    inside one rank's autograd all-gather (the *_tensor_autograd collectives; measured, `make compat
+    TORCH=2.11.0`); 2.13's *_single_autograd ones train like one process. 2.12 has only the old ones."""
+    if hasattr(funcol, "all_gather_single_autograd"):
+        return None
+    return (f"parallel.cp > 1 needs torch >= 2.13, not {torch.__version__}: before 2.13 context parallelism's "
+            "autograd all-gathers hang in the first backward")
