@@ -30,6 +30,11 @@ if [[ $# -gt 1 ]]; then
   exit 2
 fi
 
+if [[ ${#MODE[@]} -eq 0 ]] && ! $PYTHON -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "gpu_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False); --rehearse runs every check on the CPU" >&2
+  exit 2
+fi
+
 SITE=$REPO/.gpu/site
 wheels=(.gpu/wheels/*.whl)
 if [[ ${#MODE[@]} -eq 0 && -e "${wheels[0]}" ]]; then

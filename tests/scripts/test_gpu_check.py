@@ -54,8 +54,9 @@ def test_the_rehearsal_runs_every_check_on_the_cpu_and_skips_only_what_needs_cud
 def test_without_a_gpu_a_real_run_refuses_in_one_line(tmp_path):
     result = gpu_check(out=tmp_path)
     assert result.returncode == 2 and not (tmp_path / "gpu_check.json").exists()
+    # Before anything is installed from .gpu/wheels.
     assert result.stderr == (f"gpu_check: no CUDA device visible to {sys.executable} (torch.cuda.is_available() is "
-                             "False); --rehearse runs every check on the CPU\n")
+                             "False); --rehearse runs every check on the CPU\n") and result.stdout == ""
     assert gpu_check("--fast", out=tmp_path).stderr == "gpu_check: unknown argument '--fast'; the only option is --rehearse\n"
 
 
