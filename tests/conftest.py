@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# First, before any test module imports triton (pytest collects tests/inference before tests/kernels): the
+# Triton kernels run under the interpreter on CPU, and a kernel built otherwise cannot call an interpreted one.
+import kernel_device  # noqa: F401
 from trainer.data import prepare_text_corpus
 
 

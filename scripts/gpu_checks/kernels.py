@@ -31,6 +31,8 @@ def main() -> None:
     args = parse_args(__doc__)
     result = Result("triton_kernels")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # tests/kernel_device.py picks the device; without conftest.py, pytest does not put tests/ on the path.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, ["tests", env.get("PYTHONPATH")]))
     if args.rehearse:
         env["KERNEL_TEST_DEVICE"] = "cpu"
         run = subprocess.run([*PYTEST, "--collect-only"], env=env, capture_output=True, text=True)

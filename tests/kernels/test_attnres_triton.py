@@ -1,5 +1,5 @@
 """The fused Triton depth read (phase 1, phase 2) against the plain-torch reference, on the CPU
-through the Triton interpreter (or compiled on a GPU: KERNEL_TEST_DEVICE=cuda, see kernel_device.py):
+through the Triton interpreter (or compiled on a GPU: KERNEL_TEST_DEVICE=cuda, see tests/kernel_device.py):
 outputs and every gradient, odd sizes, fp32 and bf16, one and two heads.
 
 Errors are measured against the reference run in fp64 on the same (rounded) inputs, relative to the

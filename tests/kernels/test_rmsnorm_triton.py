@@ -1,5 +1,5 @@
 """The fused Triton RMSNorm against the plain-torch reference under the CPU interpreter (or compiled on
-a GPU: KERNEL_TEST_DEVICE=cuda, see kernel_device.py).
+a GPU: KERNEL_TEST_DEVICE=cuda, see tests/kernel_device.py).
 
 Errors are relative to the largest magnitude of the reference run in fp64 on the same inputs: fp32
 reaches ~1e-7; bf16 outputs and input gradients are bf16 tensors, truncated on store by the

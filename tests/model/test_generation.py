@@ -77,7 +77,7 @@ def test_compiled_decode_generates_the_eager_tokens_with_a_bounded_number_of_com
     the first step (the cache as prefill left it) and one for every later step (dynamo marks the growing
     length dynamic): 12 tokens must not compile 12 times."""
     # Imported here, not at the top: torch._dynamo imports triton, which must come after the kernel
-    # tests (tests/kernels/kernel_device.py) choose the interpreter when pytest collects them.
+    # tests (tests/kernel_device.py, imported by conftest.py) choose the interpreter.
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
