@@ -47,7 +47,7 @@ class ResidualConfig:
     mixing: str = "attention"       # attention | static (softmax of learned scalars) | scalars (raw, DenseFormer)
     heads: int = 1                  # multi-head depth attention
     window: int | None = None       # attend over the last `window` sources plus the embedding
-    two_phase: bool = True          # Block: batched inter-block phase + online-softmax merge
+    two_phase: bool | None = None   # Block: Algorithm 1's batched read; None: where its fused kernels run
     streams: int = 4                # mhc, hc: parallel residual streams
     gate: str = "scalar"            # highway: scalar | elementwise (one gate per channel)
 

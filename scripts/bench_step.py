@@ -1,9 +1,14 @@
 """Forward+backward step time of baseline vs Full vs Block AttnRes in one process.
 
-Variants are interleaved round by round so drift in machine load hits all of them alike; the
-median over rounds is reported with its ratio to the baseline. --compile compiles every variant's
-blocks as train.compile=true does (parallel/compile.py), so the ratios compare compiled to compiled;
-the warm-up step then includes the compile, the timed rounds do not.
+Variants are interleaved round by round so drift in machine load hits all of them alike. Each round
+gives every variant a ratio to the baseline's step of the same round; the median of those paired ratios
+is reported with their range over rounds, beside the median step time. --compile compiles every
+variant's blocks as train.compile=true does (parallel/compile.py), so the ratios compare compiled to
+compiled; the warm-up rounds then include the compile, the timed rounds do not.
+
+`block` is Block AttnRes as configured by default, whose read depends on the device (variant.two_phase=null:
+the batched two-phase read where its fused kernels run, the per-layer read elsewhere); `block-two-phase`
+and `block-per-layer-read` force one read.
 
     python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8] [--compile]
                                  [--variants baseline,block] [--document-length 64]
@@ -28,7 +33,8 @@ from trainer.config import load_config
 CASES = {
     "baseline": ["variant=baseline"],
     "full": ["variant=full"],
-    "block": ["variant=block", "variant.two_phase=true"],
+    "block": ["variant=block"],
+    "block-two-phase": ["variant=block", "variant.two_phase=true"],
     "block-per-layer-read": ["variant=block", "variant.two_phase=false"],
 }
 
@@ -39,6 +45,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed rounds first (0: 1 eager, 3 compiled: steps run slower for a few seconds "
+                             "after a cold compile, and MoE expert sizes recompile once with dynamic shapes)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile=true)")
     parser.add_argument("--document-length", type=int, default=0,
@@ -82,9 +91,7 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    # Warm-up; compiled, a second step too: MoE expert sizes change between steps and recompile once with
-    # dynamic shapes.
-    for _ in range(2 if args.compile else 1):
+    for _ in range(args.warmup or (3 if args.compile else 1)):
         for model, starts in cases.values():
             step(model, starts)
     times = {name: [] for name in cases}
@@ -93,14 +100,22 @@ def main() -> None:
             times[name].append(step(model, starts))
 
     medians = {name: statistics.median(samples) for name, samples in times.items()}
+    ratios = {name: [t / base for t, base in zip(samples, times["baseline"])] for name, samples in times.items()}
+    masked_ratios = {name: [t / unmasked for t, unmasked in zip(samples, times[name.removesuffix(" masked")])]
+                     for name, samples in times.items() if name.endswith(" masked")}
     print(f"model={args.model} batch={args.batch} seq={args.seq} rounds={args.rounds} "
           f"threads={torch.get_num_threads()} torch={torch.__version__} compile={args.compile}"
           + (f" document_length={args.document_length}" if args.document_length else ""))
-    print(f"{'variant':<28}{'step (ms)':>12}{'ratio':>8}" + (f"{'vs unmasked':>13}" if args.document_length else ""))
+    if "block" in models:
+        mixer = models["block"].mixer
+        batched = mixer.batches(mixer.start(models["block"].embed(tokens)))
+        print(f"block (variant.two_phase=null) reads {'two-phase' if batched else 'per layer'} here")
+    print(f"{'variant':<28}{'step (ms)':>12}{'ratio':>8}{'range':>15}"
+          + (f"{'vs unmasked':>13}" if args.document_length else ""))
     for name, median in medians.items():
-        masked = name.removesuffix(" masked")
-        versus = f"{median / medians[masked]:>13.3f}" if masked != name else ""
-        print(f"{name:<28}{median * 1e3:>12.1f}{median / medians['baseline']:>8.3f}{versus}")
+        versus = f"{statistics.median(masked_ratios[name]):>13.3f}" if name in masked_ratios else ""
+        spread = f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f}"
+        print(f"{name:<28}{median * 1e3:>12.1f}{statistics.median(ratios[name]):>8.3f}{spread:>15}{versus}")
 
 
 if __name__ == "__main__":

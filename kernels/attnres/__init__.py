@@ -35,7 +35,8 @@ def depth_attention(sources: list[torch.Tensor], query: torch.Tensor, inv_rms: l
     return read(sources, query, inv_rms, kernel)
 
 
-def _fused(impl: str, kernel: str, activations: torch.Tensor) -> bool:
+def fused(impl: str, kernel: str, activations: torch.Tensor) -> bool:
+    """Whether the two-phase read of these activations runs the fused kernels."""
     return kernel == "softmax" and activations.dtype in TRITON_DTYPES and use_triton(impl, activations)
 
 
@@ -47,9 +48,9 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None,
     inv_rms_cache: the blocks' inverse RMS known so far; the reference path extends it and reuses it
     across calls, the fused kernel computes the key norm itself.
     """
-    if _fused(impl, kernel, blocks[0]):
-        from kernels.attnres import triton as fused
-        return fused.phase1(blocks, queries, eps)
+    if fused(impl, kernel, blocks[0]):
+        from kernels.attnres import triton as kernels
+        return kernels.phase1(blocks, queries, eps)
     inv_rms = None
     if eps is not None:
         cache = [] if inv_rms_cache is None else inv_rms_cache
@@ -64,12 +65,12 @@ def phase2(o1: torch.Tensor, m1: torch.Tensor, l1: torch.Tensor, partial: torch.
            eps: float | None, kernel: str = "softmax", impl: str = "auto"):
     """One sublayer's read of the partial sum merged with its phase-1 read: (h, scores) as in
     `reference.phase2`; eps as in `phase1`."""
-    if _fused(impl, kernel, partial):
-        from kernels.attnres import triton as fused
-        return fused.phase2(o1, m1, l1, partial, query, eps)
+    if fused(impl, kernel, partial):
+        from kernels.attnres import triton as kernels
+        return kernels.phase2(o1, m1, l1, partial, query, eps)
     inv_rms = None if eps is None else inverse_rms(partial, query.shape[0], eps)
     return reference_phase2(o1, m1, l1, partial, query, inv_rms, kernel)
 
 
-__all__ = ["IMPLS", "depth_attention", "depth_scores", "inverse_rms", "merge", "phase1", "phase2",
+__all__ = ["IMPLS", "depth_attention", "depth_scores", "fused", "inverse_rms", "merge", "phase1", "phase2",
            "source_weights", "weighted_sum"]

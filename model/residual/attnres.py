@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attnres import depth_attention, inverse_rms, phase1, phase2, source_weights, weighted_sum
+from kernels.attnres import depth_attention, fused, inverse_rms, phase1, phase2, source_weights, weighted_sum
 from model.config import ResidualConfig
 from model.residual.base import DepthState, ResidualMixer
 from model.residual.geometry import DepthGeometry
@@ -42,9 +42,18 @@ class AttnResidual(ResidualMixer):
     def read(self, state: DepthState, read: DepthRead) -> torch.Tensor:
         sublayer = state.next_sublayer
         with_partial = self.geometry.position(sublayer) > 0 and state.partial is not None
-        if self.geometry.two_phase:
+        if self.batches(state):
             return self._two_phase_read(state, read, sublayer, with_partial)
         return self._read_sources(state, read, sublayer, with_partial)
+
+    def batches(self, state: DepthState) -> bool:
+        """Whether reads take Algorithm 1's batched two-phase form: always with two_phase=true, and with
+        two_phase=null where its fused kernels run. On the plain-torch reference the per-layer read computes
+        the same values faster (1.07x the baseline's step against 1.11x on CPU, docs/BENCHMARKS.md): the
+        batching saves kernel launches and reads of the blocks, which a CPU's reference does not pay for."""
+        if not self.geometry.two_phase:
+            return False
+        return self.options.two_phase is True or fused(self.impl, self.options.kernel, state.blocks[0])
 
     def final(self, state: DepthState, read: DepthRead) -> torch.Tensor:
         return self._read_sources(state, read, self.n_sublayers + 1, state.partial is not None)

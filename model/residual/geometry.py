@@ -34,7 +34,7 @@ def transformer_block_of(sublayer: int) -> int:
 class DepthGeometry:
     n_sublayers: int          # L
     size: int | None          # S, sublayers per depth block; None when the variant has no depth blocks
-    two_phase: bool           # the read batches a depth block's queries at its first sublayer (Algorithm 1)
+    two_phase: bool           # the read may batch a depth block's queries at its first sublayer (Algorithm 1)
     window: int | None        # reads see b_0 plus the last `window` sources
 
     @classmethod
@@ -46,7 +46,7 @@ class DepthGeometry:
             size = r.block_size if r.block_size is not None else max(1, round(cfg.n_sublayers / 8))
         else:
             size = None
-        two_phase = (size is not None and r.two_phase and r.query == "learned" and r.mixing == "attention"
+        two_phase = (size is not None and r.two_phase is not False and r.query == "learned" and r.mixing == "attention"
                      and r.window is None)
         return cls(cfg.n_sublayers, size, two_phase, r.window)
 

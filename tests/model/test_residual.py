@@ -136,6 +136,20 @@ def test_two_phase_equals_per_layer_read(overrides):
     assert_same(grads(per_layer, x), grads(two_phase, x))
 
 
+@pytest.mark.parametrize("overrides, dtype, batches", [
+    (["variant.two_phase=null"], torch.float32, False),  # CPU tensors: the reference, faster read per layer
+    (["variant.two_phase=null", "model.kernel_impl=triton"], torch.float32, True),  # fused kernels (interpreted)
+    (["variant.two_phase=null", "model.kernel_impl=triton"], torch.float64, False),  # fp64 never takes them
+    (["variant.two_phase=null", "model.kernel_impl=triton", "variant.window=2"], torch.float32, False),
+    (["variant.two_phase=true"], torch.float32, True),
+    (["variant.two_phase=false", "model.kernel_impl=triton"], torch.float32, False),
+])
+def test_two_phase_null_batches_where_the_fused_kernels_run(overrides, dtype, batches):
+    model = build_model(load_config(["model=xs", "variant=block", *overrides]))
+    state = model.mixer.start(torch.zeros(B, T, model.cfg.d_model, dtype=dtype))
+    assert model.mixer.batches(state) is batches
+
+
 def test_baseline_equals_plain_prenorm_sum():
     model, x = make("baseline"), tokens()
     h = model.embed(x)

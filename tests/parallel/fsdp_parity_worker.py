@@ -68,6 +68,13 @@ def adamw_bytes(model) -> int:
     return state_bytes(model, optimizer)
 
 
+def variant_overrides(variant: str) -> list[str]:
+    """`variant=NAME`; Block with the two-phase read a GPU takes (two_phase=null reads per layer on CPU), so
+    the parity runs cover its phase-1 caches across units, stages, slices and checkpoints. Full covers the
+    per-layer read."""
+    return [f"variant={variant}"] + (["variant.two_phase=true"] if variant == "block" else [])
+
+
 def bf16_autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -112,7 +119,7 @@ def references(cfg, batches, bf16: bool) -> tuple[torch.nn.Module, torch.Tensor,
 def run_case(case: dict, info: DistInfo) -> dict:
     """`precision` bf16: FSDP2 gathers bf16 parameters (reducing in fp32) under CPU autocast, against one
     process under the same autocast (fp32 parameters; also against one process in fp32, as a scale)."""
-    cfg = load_config(["model=xs", f"variant={case['variant']}", f"variant.block_size={case['block_size']}"])
+    cfg = load_config(["model=xs", *variant_overrides(case["variant"]), f"variant.block_size={case['block_size']}"])
     bf16 = case.get("precision") == "bf16"
     autocast = bf16_autocast if bf16 else contextlib.nullcontext
     data_ranks = case["dp"] * case["fsdp"]
@@ -170,7 +177,7 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
     foreach_reduce, one per parameter group when the pipeline holds the sync until the last microbatch;
     one per group and microbatch if it synced every backward). `bf16`: as run_case's, the stages then
     send bf16 messages (the stream's dtype with bf16 gathered parameters)."""
-    cfg = load_config(["model=xs", "variant=block", "variant.block_size=4"])
+    cfg = load_config(["model=xs", *variant_overrides("block"), "variant.block_size=4"])
     autocast = bf16_autocast if bf16 else contextlib.nullcontext
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (2 * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)

@@ -17,7 +17,7 @@ from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.runner import PipelineRunner, build_chunks
 from parallel.pipeline.stage import AddCachedGrad
 from trainer.config import ParallelConfig, load_config
-from fsdp_parity_worker import bf16_autocast, reference_step, relative_error  # torchrun runs from this directory
+from fsdp_parity_worker import bf16_autocast, reference_step, relative_error, variant_overrides  # torchrun runs from this directory
 
 MICRO_BATCH, SEQ = 2, 12
 
@@ -42,7 +42,7 @@ def cases(pp: int):
 def one_process(variant: str, extra: tuple[str, ...], microbatches: int):
     """(config, inputs, targets, the step's loss, every parameter's gradient) in one process: the same for
     every layout and schedule of a variant, so computed once per variant."""
-    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={variant}", *extra])
+    cfg = load_config(["model=xs", "model.n_blocks=6", *variant_overrides(variant), *extra])
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, cfg.model.vocab_size, (microbatches * MICRO_BATCH, SEQ + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -79,7 +79,7 @@ def bf16_case(variant: str, extra: list[str], info: DistInfo) -> dict:
     """pp=2, vp=2 with the block cache, built as the trainer builds it (build_engine, precision bf16), one
     step under CPU autocast: the loss and this rank's gradients against one process under the same
     autocast (relative, whole model), and the bytes per token each transition sent."""
-    cfg = load_config(["model=xs", "model.n_blocks=6", f"variant={variant}", *extra])
+    cfg = load_config(["model=xs", "model.n_blocks=6", *variant_overrides(variant), *extra])
     microbatches = 4
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, cfg.model.vocab_size, (microbatches * MICRO_BATCH, SEQ + 1), generator=generator)

@@ -17,13 +17,13 @@ from trainer.trainer import Trainer
 VARIANTS = {
     "baseline": ["variant=baseline"],
     "full": ["variant=full"],
-    "block": ["variant=block"],
+    "block": ["variant=block", "variant.two_phase=true"],
     # An AttnRes block spanning two transformer blocks: phase-1 reads cross the block boundary.
-    "block_size4": ["variant=block", "variant.block_size=4"],
+    "block_size4": ["variant=block", "variant.two_phase=true", "variant.block_size=4"],
     # Blocks straddling transformer blocks: the partial sum crosses the boundary.
-    "block_size3": ["variant=block", "variant.block_size=3"],
+    "block_size3": ["variant=block", "variant.two_phase=true", "variant.block_size=3"],
     "mhc": ["variant=mhc"],
-    "block_aux_loss": ["variant=block", "model.moe.aux_loss_coef=0.01"],
+    "block_aux_loss": ["variant=block", "variant.two_phase=true", "model.moe.aux_loss_coef=0.01"],
 }
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
 

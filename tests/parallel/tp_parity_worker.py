@@ -25,6 +25,7 @@ from parallel.placement import placement_of
 from parallel.tensor import local_sequence
 from torch.distributed.tensor import DTensor
 from trainer.config import ParallelConfig, load_config
+from fsdp_parity_worker import variant_overrides  # torchrun runs from this directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -71,7 +72,7 @@ def skew(model, case: dict):
 
 
 def run_case(case: dict, info: DistInfo) -> dict:
-    cfg = load_config(["model=xs", f"variant={case['variant']}", "variant.block_size=2",
+    cfg = load_config(["model=xs", *variant_overrides(case["variant"]), "variant.block_size=2",
                        f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}"])
     dp, fsdp, cp = case["dp"], case.get("fsdp", 1), case.get("cp", 1)
     generator = torch.Generator().manual_seed(11)

@@ -60,7 +60,6 @@ def test_keys_missing_from_a_preset_file_still_override(overrides, expected):
     ("variant.query=random", "variant.query='random' is not valid; allowed: learned | input_dependent"),
     ("variant.heads=3", "variant.heads=3 must divide model.d_model=256"),
     ("variant.block_size=0", "variant.block_size=0"),
-    ("variant.mixing=static", "variant.two_phase=true needs query=learned"),
     ("model.d_model=abc", "model.d_model"),
     ("optim=sgd", "optim/sgd"),
     ("train.global_batch=12", "train.global_batch=12 must be a multiple of train.micro_batch=8"),
@@ -99,6 +98,13 @@ def test_invalid_value_fails_with_one_clear_line(override, fragment):
     message = str(error.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def test_two_phase_true_refuses_a_read_it_cannot_batch_and_null_reads_it_per_layer():
+    with pytest.raises(ConfigError, match="variant.two_phase=true needs query=learned") as error:
+        load_config(["variant.mixing=static", "variant.two_phase=true"])
+    assert "\n" not in str(error.value)
+    assert load_config(["variant.mixing=static"]).model.residual.two_phase is None
 
 
 @pytest.mark.parametrize("precision, device, dtype", [
