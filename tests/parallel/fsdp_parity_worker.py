@@ -29,7 +29,7 @@ from parallel.engine import build_engine, cross_entropy
 from parallel.gradients import sync_moe_load
 from trainer.config import ParallelConfig, load_config
 from trainer.muon import MatrixSlice, Muon
-from tp_parity_worker import whole as whole_slice  # torchrun runs this file from its directory
+from tp_parity_worker import variant_overrides, whole as whole_slice  # torchrun runs this file from its directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -66,13 +66,6 @@ def adamw_bytes(model) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
     return state_bytes(model, optimizer)
-
-
-def variant_overrides(variant: str) -> list[str]:
-    """`variant=NAME`; Block with the two-phase read a GPU takes (two_phase=null reads per layer on CPU), so
-    the parity runs cover its phase-1 caches across units, stages, slices and checkpoints. Full covers the
-    per-layer read."""
-    return [f"variant={variant}"] + (["variant.two_phase=true"] if variant == "block" else [])
 
 
 def bf16_autocast():

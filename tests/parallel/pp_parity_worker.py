@@ -17,7 +17,8 @@ from parallel.pipeline.plan import PipelinePlan
 from parallel.pipeline.runner import PipelineRunner, build_chunks
 from parallel.pipeline.stage import AddCachedGrad
 from trainer.config import ParallelConfig, load_config
-from fsdp_parity_worker import bf16_autocast, reference_step, relative_error, variant_overrides  # torchrun runs from this directory
+from fsdp_parity_worker import bf16_autocast, reference_step, relative_error  # torchrun runs from this directory
+from tp_parity_worker import variant_overrides
 
 MICRO_BATCH, SEQ = 2, 12
 

@@ -25,7 +25,6 @@ from parallel.placement import placement_of
 from parallel.tensor import local_sequence
 from torch.distributed.tensor import DTensor
 from trainer.config import ParallelConfig, load_config
-from fsdp_parity_worker import variant_overrides  # torchrun runs from this directory
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -69,6 +68,13 @@ def skew(model, case: dict):
         for moe in model.moe_layers():
             moe.expert_bias[:2] = 100.0
     return model
+
+
+def variant_overrides(variant: str) -> list[str]:
+    """`variant=NAME`; Block with the two-phase read a GPU takes (two_phase=null reads per layer on CPU), so
+    the parity runs cover its phase-1 caches across units, stages, slices and checkpoints. Full covers the
+    per-layer read."""
+    return [f"variant={variant}"] + (["variant.two_phase=true"] if variant == "block" else [])
 
 
 def run_case(case: dict, info: DistInfo) -> dict:
