@@ -49,7 +49,7 @@ class AttnResidual(ResidualMixer):
     def batches(self, state: DepthState) -> bool:
         """Whether reads take Algorithm 1's batched two-phase form: always with two_phase=true, and with
         two_phase=null where its fused kernels run. On the plain-torch reference the per-layer read computes
-        the same values faster (1.07x the baseline's step against 1.11x on CPU, docs/BENCHMARKS.md): the
+        the same values faster (1.09x the baseline's step against 1.13-1.14x eager on CPU, docs/BENCHMARKS.md): the
         batching saves kernel launches and reads of the blocks, which a CPU's reference does not pay for."""
         if not self.geometry.two_phase:
             return False

@@ -46,8 +46,8 @@ class DepthGeometry:
             size = r.block_size if r.block_size is not None else max(1, round(cfg.n_sublayers / 8))
         else:
             size = None
-        two_phase = (size is not None and r.two_phase is not False and r.query == "learned" and r.mixing == "attention"
-                     and r.window is None)
+        two_phase = (size is not None and r.two_phase is not False and r.query == "learned"
+                     and r.mixing == "attention" and r.window is None)
         return cls(cfg.n_sublayers, size, two_phase, r.window)
 
     @property
