@@ -85,21 +85,24 @@ def torchrun(overrides, nproc=2, max_restarts=0, timeout=240):
 
 def torchrun_runs(runs, workdir, nproc=2, timeout=600):
     """Train every run of `runs` (lists of overrides, as fast_train_overrides gives) one after another in
-    one torchrun launch of `nproc` processes (tests/parallel/trainer_runs_worker.py); returns the CompletedProcess."""
+    one launch of `nproc` ranks (tests/parallel/trainer_runs_worker.py); returns the CompletedProcess."""
     runs_file = Path(workdir) / "runs.json"
     runs_file.write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).parent / "parallel" / "trainer_runs_worker.py"), str(runs_file)]
+    return preloaded_launch("trainer_runs_worker", nproc, str(runs_file), timeout=timeout)
+
+
+def preloaded_launch(worker: str, nproc: int, *args: str, timeout: float):
+    """Run tests/parallel/<worker>.py's main(*args) on `nproc` gloo ranks, forked by torchrun's agent from a
+    server that imported the worker once (tests/parallel/preloaded_launch.py); returns the CompletedProcess."""
+    cmd = [sys.executable, str(Path(__file__).parent / "parallel" / "preloaded_launch.py"), str(nproc), worker, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def launch_parity_worker(worker, nproc: int):
-    """Run a parity worker script under torchrun; returns its CASE lines and its CONTROL lines as dicts."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={nproc}", str(worker)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    """Run a parity worker (a path in tests/parallel) on `nproc` ranks; returns its CASE lines and its CONTROL
+    lines as dicts."""
+    result = preloaded_launch(Path(worker).stem, nproc, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     cases = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]

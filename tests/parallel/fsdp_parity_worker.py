@@ -12,7 +12,6 @@ On 4 ranks PIPELINE lines: fsdp=2 x pp=2 (2 chunks per rank), whose reduce-scatt
 """
 import contextlib
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -293,7 +292,6 @@ def main() -> None:
         for pipeline in pipelines:
             print("PIPELINE " + json.dumps(pipeline), flush=True)
     dist.destroy_process_group()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

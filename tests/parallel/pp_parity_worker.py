@@ -5,7 +5,6 @@ processes two more cases ("precision": "bf16"): the trainer's pipeline engine at
 (CPU autocast) against one process under the same autocast."""
 import functools
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -125,7 +124,6 @@ def main() -> None:
         print("CONTROL " + json.dumps(control))
         print("CONTROL " + json.dumps(aux_control))
     dist.destroy_process_group()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,12 @@ parameter + optimizer bytes halve, the trainer trains like one process and check
 process and fsdp2, fsdp2_pp2 or fsdp2_ep2 both ways, layouts it does not compose with yet are refused in
 one line."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import fast_train_overrides, task_rows, torchrun_runs
+from conftest import fast_train_overrides, preloaded_launch, task_rows, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -23,9 +20,7 @@ WORKER = Path(__file__).with_name("fsdp_parity_worker.py")
 
 def launch_worker(nproc: int) -> dict[str, list[dict]]:
     """The worker's JSON lines by kind: CASE, CONTROL, MEMORY, PIPELINE, MUON."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={nproc}", str(WORKER)], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = preloaded_launch(WORKER.stem, nproc, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {"CASE": [], "CONTROL": [], "MEMORY": [], "PIPELINE": [], "MUON": []}
     for line in result.stdout.splitlines():

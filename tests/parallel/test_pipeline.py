@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides, launch_parity_worker, task_rows, torchrun, torchrun_runs
+from conftest import fast_train_overrides, launch_parity_worker, task_rows, torchrun_runs
 from parallel.dims import Degrees, init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
@@ -116,8 +116,8 @@ def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path,
     extra = {"train.global_batch": 8}
     Trainer(load_config(fast_train_overrides(tmp_path / "single", tiny_dataset, steps=4, **extra)),
             init_distributed()).fit()
-    result = torchrun(fast_train_overrides(tmp_path / "mesh", tiny_dataset, steps=4, parallel="dp2_pp2_vp2", **extra),
-                      nproc=4)
+    result = torchrun_runs([fast_train_overrides(tmp_path / "mesh", tiny_dataset, steps=4, parallel="dp2_pp2_vp2",
+                                                 **extra)], tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
     single, mesh = losses(tmp_path / "single"), losses(tmp_path / "mesh")
     assert sorted(single) == sorted(mesh) == [1, 2, 3, 4]
@@ -177,8 +177,8 @@ def test_expert_parallel_trains_like_one_process_and_resumes_in_one_process(tmp_
     straight = tmp_path / "straight"
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4, **extra)), init_distributed()).fit()
     mesh = tmp_path / "mesh"
-    result = torchrun(fast_train_overrides(mesh, tiny_dataset, steps=4, parallel=layout, **extra,
-                                           **{"train.stop_after": 3}), nproc=nproc)
+    result = torchrun_runs([fast_train_overrides(mesh, tiny_dataset, steps=4, parallel=layout, **extra,
+                                                 **{"train.stop_after": 3})], tmp_path, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     Trainer(load_config(fast_train_overrides(mesh, tiny_dataset, steps=4, **extra)), init_distributed()).fit()
     reference, found = metrics(straight), metrics(mesh)

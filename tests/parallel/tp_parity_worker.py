@@ -9,7 +9,6 @@ rank's slice of the sequences instead of the whole sequence, and cp without KDA'
 """
 import contextlib
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -165,7 +164,6 @@ def main() -> None:
         for extra in extra_controls:
             print("CONTROL " + json.dumps(extra), flush=True)
     dist.destroy_process_group()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from model import build_model
 from model.config import ModelConfig, ResidualConfig
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import (
     CheckpointError,
@@ -435,14 +435,14 @@ def test_under_torchrun_ranks_split_the_checksums_and_fall_back_together(tmp_pat
     writes are done, and the resume from step 2's checkpoint continues the run bitwise."""
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2, "checkpoint.async_mode": "async"})
-    result = torchrun(overrides)
+    result = torchrun_runs([overrides], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     uninterrupted = losses_by_step(run)
     *_, previous, newest = sorted((run / "checkpoints").glob("step_*"))
     assert sorted(json.loads((newest / "meta.json").read_text())["files"]) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "extra/rank_0.json", "extra/rank_1.json"]
     flip_middle_bytes(newest / "__0_0.distcp")
-    result = torchrun(overrides)
+    result = torchrun_runs([overrides], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resume=auto: skipping checkpoint {newest} is corrupt: __0_0.distcp does not match" in result.stderr
     assert f"resumed from {previous}" in result.stdout + result.stderr
