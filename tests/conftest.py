@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Inductor compiles in this process: its default pool of compile workers (one per core) costs each process that
+# compiles a few CPU-seconds to start, and on 2 cores that pytest-xdist already keeps busy it buys nothing.
+# Set before torch is imported; torchrun ranks and CLI subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 # First, before any test module imports triton (pytest collects tests/inference before tests/kernels): the
 # Triton kernels run under the interpreter on CPU, and a kernel built otherwise cannot call an interpreted one.
