@@ -43,7 +43,7 @@ setup(
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (CI: triton 3.9; 3.6, which torch
         # 2.11's CUDA build pins, by `make compat`), and the evaluation and Hugging Face export tests need
         # the eval extra.
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "triton>=3.6,<4", *EVAL],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.0", "triton>=3.6,<4", *EVAL],
         "eval": EVAL,
         # CUDA builds of torch bring the triton they were built with; this only bounds it.
         "gpu": ["triton>=3.4,<4", "flash-linear-attention"],

@@ -2,11 +2,13 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 # Inductor compiles in this process: its default pool of compile workers (one per core) costs each process that
 # compiles a few CPU-seconds to start, and on 2 cores that pytest-xdist already keeps busy it buys nothing.
@@ -43,6 +45,24 @@ def tiny_dataset(tmp_path_factory):
         lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(80))
         (texts / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
     return prepare_text_corpus([texts], root / "prepared", 512)
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A directory that `build(directory)` fills once per test session, however many pytest-xdist workers ask
+    for it (xdist's recipe: the workers' base temporary directories share a parent, and a file lock lets one
+    build while the others wait), so that a module fixture whose tests xdist splits across workers does not
+    pay for its launch twice. Returns the directory; a build that raises leaves it to the next caller."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    directory, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
 
 
 def fast_train_overrides(run_dir, dataset, steps=6, **extra):

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import fast_train_overrides, task_rows, torchrun, torchrun_runs
+from conftest import built_once, fast_train_overrides, task_rows, torchrun, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint
 from trainer.config import ConfigError, load_config
@@ -140,16 +140,19 @@ PLANTED_HANG = {"train.steps": 2, "train.hang_after_s": 1.5, "debug.sleep_at_ste
 
 @pytest.fixture(scope="module")
 def ddp_launch(tmp_path_factory, tiny_dataset):
-    """One 2-rank launch for the DDP tests: a run with train.eval_tasks; a run stopped after 3 steps and resumed
-    (in processes whose RNGs have moved on since); a run whose rank 1 sleeps inside step 2 (hang diagnosis).
-    Returns the run directories and the CompletedProcess."""
-    root = tmp_path_factory.mktemp("ddp_launch")
-    ddp, ddp_resumed, hang = root / "ddp", root / "ddp_resumed", root / "hang"
-    result = torchrun_runs([fast_train_overrides(run, tiny_dataset, steps=6, **extra) for run, extra in
-                            [(ddp, EVAL_TASKS), (ddp_resumed, {"train.stop_after": 3}), (ddp_resumed, {}),
-                             (hang, PLANTED_HANG)]], root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {"ddp": ddp, "ddp_resumed": ddp_resumed, "hang": hang}, result
+    """One 2-rank launch for the DDP tests, once per session: a run with train.eval_tasks; a run stopped after 3
+    steps and resumed (in processes whose RNGs have moved on since); a run whose rank 1 sleeps inside step 2
+    (hang diagnosis). Returns the run directories and the launch's stderr. The runs read the tiny dataset of
+    the worker that launched them: every worker prepares the same tokens from the same seed."""
+    def launch(root):
+        result = torchrun_runs([fast_train_overrides(root / run, tiny_dataset, steps=6, **extra) for run, extra in
+                                [("ddp", EVAL_TASKS), ("ddp_resumed", {"train.stop_after": 3}), ("ddp_resumed", {}),
+                                 ("hang", PLANTED_HANG)]], root)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (root / "stderr.txt").write_text(result.stderr)
+
+    root = built_once(tmp_path_factory, "ddp_launch", launch)
+    return {run: root / run for run in ("ddp", "ddp_resumed", "hang")}, (root / "stderr.txt").read_text()
 
 
 def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, ddp_launch):
@@ -180,13 +183,13 @@ def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, 
 def test_a_rank_sleeping_inside_a_step_gets_both_ranks_stacks_written(ddp_launch):
     """Rank 1 sleeps in step 2; rank 0 waits for it in a collective. Both overrun train.hang_after_s, so both
     write their stacks and a line naming the rank and the step (rank 0 into train.log, rank 1 on stderr)."""
-    runs, result = ddp_launch
+    runs, stderr = ddp_launch
     hang = runs["hang"] / "hang"
     sleeper, waiter = (hang / "rank1_step2.txt").read_text(), (hang / "rank0_step2.txt").read_text()
     assert "in _maybe_sleep" in sleeper
     assert "in train_step" in waiter and "in _maybe_sleep" not in waiter
     assert "hang: rank 0, step 2 has run" in (runs["hang"] / "train.log").read_text()
-    assert "hang: rank 1, step 2 has run" in result.stderr
+    assert "hang: rank 1, step 2 has run" in stderr
 
 
 def test_a_rank_killed_mid_training_is_restarted_by_torchrun_and_ends_like_the_uninterrupted_run(
