@@ -1,6 +1,6 @@
 """Run under torchrun: train each run of a JSON file (a list of Hydra override lists) in turn, in one
 process group, so that a test pays for one launch of its processes rather than one per run (a launch
-costs about 6 CPU-seconds a process before the first step). Used through conftest.torchrun_runs, which
+costs 3-5 CPU-seconds a process before the first step). Used through conftest.torchrun_runs, which
 starts it with preloaded_launch.py: importing this module imports what every run needs, megatron-core's
 datasets included, so the fork server does it once for all ranks.
 
