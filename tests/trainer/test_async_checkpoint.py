@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
+from trainer.run_dir.async_checkpoint import CheckpointSaver
 from trainer.run_dir.checkpoint import latest_checkpoint, verify_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
@@ -67,9 +70,21 @@ def test_a_process_killed_with_a_save_in_flight_resumes_from_the_previous_checkp
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_pinned_staging_without_cuda_is_refused_in_one_line():
     with pytest.raises(ConfigError) as refused:
         load_config(["checkpoint.async_mode=async_pinned"])
     assert str(refused.value) == ("checkpoint.async_mode=async_pinned stages into pinned host memory, which needs a "
                                   "CUDA device; this machine has none: use checkpoint.async_mode=async")
+
+
+def test_closing_the_saver_releases_its_gloo_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups_before = set(dist.distributed_c10d._world.pg_map)
+        saver = CheckpointSaver("async", torch.device("cpu"))
+        assert saver.group in dist.distributed_c10d._world.pg_map
+        saver.close()
+        assert set(dist.distributed_c10d._world.pg_map) == groups_before
+    finally:
+        dist.destroy_process_group()

@@ -96,9 +96,14 @@ class CheckpointSaver:
         return saving.final
 
     def close(self) -> None:
-        """Release the threads and the staging memory without publishing: after a failure, a save still in
-        flight stays a .tmp-step_N (its write finishes before the process exits)."""
+        """Release the threads, the staging memory and the gloo group without publishing: after a failure, a
+        save still in flight stays a .tmp-step_N (its write finishes before the process exits, so its group
+        is left to the process's end)."""
         if self.hasher is not None:
             self.hasher.shutdown(wait=False)
         if self.stager is not None:
             self.stager.close()
+        if self.group is not None and self.in_flight is None:
+            # scripts/compare trains its runs one after another in one process: each would keep its group.
+            dist.destroy_process_group(self.group)
+            self.group = None
