@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group, Run
-from scripts.report.stats import paired, t_interval
+from scripts.report.stats import interval_label, paired, t_interval
 from scripts.report.table import baseline_of
 
 BEYOND = "beyond the baseline's curve"
@@ -95,6 +95,46 @@ def multiplier_points(variant: Group, base: Group) -> list[Point]:
     return [points[step] for step in sorted(points)]
 
 
+@dataclass(frozen=True)
+class Trend:
+    """Whether the multiplier falls towards 1 or settles: per seed, a least-squares line of the multiplier
+    against log2 tokens over the evaluations before any LR decay where every seed has one. Its slope is the
+    change per doubling of tokens: the paper's constant advantage is 0, early acceleration alone negative.
+    The line's ends stand in for the first and last single evaluation, which are as noisy as any other."""
+    first: Point
+    last: Point
+    evaluations: int
+    lines: dict[int, tuple[float, float]]  # seed -> (slope per doubling, intercept at 1 token)
+
+    def fitted(self, tokens: int) -> float:
+        """The seeds' mean line at `tokens`."""
+        return statistics.fmean(slope * math.log2(tokens) + intercept for slope, intercept in self.lines.values())
+
+    def text(self) -> str:
+        """'steps 50-700 (14 evaluations): the line runs from 1.31 at 0.05M tokens to 1.15 at 0.72M; per
+        doubling -0.044 ± 0.001 [-0.054, -0.034]: falling on every seed, interval excludes 0'."""
+        slopes = [slope for slope, _ in self.lines.values()]
+        spread = ""
+        if len(slopes) > 1:
+            low, high = t_interval(slopes)
+            spread = f" ± {statistics.stdev(slopes):.3f} [{low:+.3f}, {high:+.3f}]"
+        return (f"steps {self.first.step}-{self.last.step} ({self.evaluations} evaluations): the line runs from "
+                f"{self.fitted(self.first.tokens):.2f} at {self.first.tokens / 1e6:.2f}M tokens to "
+                f"{self.fitted(self.last.tokens):.2f} at {self.last.tokens / 1e6:.2f}M; per doubling "
+                f"{statistics.fmean(slopes):+.3f}{spread}: " + interval_label(slopes, below="falling", above="rising"))
+
+
+def trend(points: list[Point]) -> Trend | None:
+    """The multiplier's Trend over `points`' complete evaluations before any decay; None with fewer than 3."""
+    stable = [p for p in points if p.complete and not p.decay]
+    if len(stable) < 3:
+        return None
+    log_tokens = [math.log2(p.tokens) for p in stable]
+    lines = {seed: tuple(statistics.linear_regression(log_tokens, [p.by_seed[seed] for p in stable]))
+             for seed in stable[0].by_seed}
+    return Trend(stable[0], stable[-1], len(stable), lines)
+
+
 def at_budget(points: list[Point], steps: int) -> list[Point]:
     """The evaluation nearest each BUDGET_FRACTIONS of `steps`."""
     return [min(points, key=lambda p: abs(p.step - fraction * steps)) for fraction in BUDGET_FRACTIONS]
@@ -165,7 +205,11 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
              "1 is no advantage; the paper's Block AttnRes matches a baseline trained with 1.25x the compute. "
              f"{BEYOND[0].upper() + BEYOND[1:]}: the baseline never reaches that loss in its run (no "
              f"extrapolation). {DECAY_MARK}: the variant's evaluation, or the baseline tokens it is matched to, "
-             "lie in an LR decay, where the loss falls for the schedule's sake as well as the tokens'.", "",
+             "lie in an LR decay, where the loss falls for the schedule's sake as well as the tokens'. The trend "
+             "below each table takes the evaluations before the decay where every seed has a multiplier: per seed a "
+             "least-squares line against log2 tokens; the seeds' mean line at the first and last of them, and its "
+             "slope per doubling of tokens, mean ± sd [95% interval]. A slope of 0 is a constant advantage, a "
+             "negative one a shrinking one.", "",
              f"![token multiplier]({figure.name})", ""]
     for setting, by_variant in curves.items():
         steps = next(g for g in groups if g.size == setting).runs[0].config.train.steps
@@ -176,6 +220,10 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
         lines += [f"| {variant} | " + " | ".join(cell(p.text(), p, column)
                                                 for p, column in zip(at_budget(points, steps), some)) + " |"
                   for variant, points in by_variant.items()]
+        trends = [(variant, trend(points)) for variant, points in by_variant.items()]
+        if any(found for _, found in trends):
+            lines += ["", "The multiplier's trend before the LR decay:", ""]
+            lines += [f"- {variant}: {found.text()}" for variant, found in trends if found]
         lines += ["", f"Validation loss minus the baseline's at the same evaluations (paired by seed, mean ± sd: "
                       "the noise label of its 95% interval):", "",
                   f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]

@@ -65,14 +65,7 @@ class Paired:
 
     def label(self) -> str:
         """The noise label, in words, from the interval: which side is ahead (lower loss), and on how many seeds."""
-        if self.n == 1:
-            return "n=1: no interval"
-        if not self.excludes_zero:
-            return f"not separable from 0 with n={self.n}"
-        side = "ahead" if self.mean < 0 else "behind"
-        agreeing = sum(1 for d in self.diffs if (d < 0) == (self.mean < 0) and d != 0)
-        seeds = "on every seed" if agreeing == self.n else f"on average ({agreeing} of {self.n} seeds)"
-        return f"{side} {seeds}, interval excludes 0"
+        return interval_label(self.diffs, below="ahead", above="behind")
 
     def text(self) -> str:
         """'-0.0360 ± 0.0014 (n=3, t=-45.0, 95% CI [-0.0395, -0.0325])'; one seed: '+0.0120 (n=1)'."""
@@ -80,6 +73,21 @@ class Paired:
             return f"{self.mean:+.4f} (n=1)"
         low, high = self.interval
         return f"{self.mean:+.4f} ± {self.sd:.4f} (n={self.n}, t={self.t:+.1f}, 95% CI [{low:+.4f}, {high:+.4f}])"
+
+
+def interval_label(values, below: str, above: str) -> str:
+    """Per-seed values' 95% interval in words: `below` or `above` 0 (and on how many seeds) where the interval
+    excludes 0, else that it cannot be told from 0 at this n."""
+    n = len(values)
+    if n == 1:
+        return "n=1: no interval"
+    low, high = t_interval(values)
+    if low <= 0 <= high:
+        return f"not separable from 0 with n={n}"
+    mean = statistics.fmean(values)
+    agreeing = sum(1 for v in values if (v < 0) == (mean < 0) and v != 0)
+    seeds = "on every seed" if agreeing == n else f"on average ({agreeing} of {n} seeds)"
+    return f"{below if mean < 0 else above} {seeds}, interval excludes 0"
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> Paired | None:

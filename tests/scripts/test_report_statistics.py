@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from scripts.report.multiplier import (BEFORE, BEYOND, Point, at_budget, baseline_tokens_to_reach, cell, difference_text,
-                                      multiplier_points)
+                                      multiplier_points, trend)
 from scripts.report.runs import Run, group_runs
 from scripts.report.sanity import setting_lines
 from scripts.report.stats import Paired
@@ -173,6 +173,43 @@ def test_controls_long_multiplier_falls_with_tokens_and_marks_the_decay():
     assert paired_groups(one_block, base).n == 2
     one_block.runs[1].config.train.steps = 2000
     assert paired_groups(one_block, base).diffs == (one_block.runs[0].final_val_loss - base.runs[0].final_val_loss,)
+
+
+def test_trend_is_flat_for_a_constant_multiplier_and_recovers_a_known_fall():
+    """Multipliers 1.25 at every evaluation: slope 0. 1.4 - 0.05 per doubling on one seed and 1.5 - 0.07 on the other:
+    the mean slope, the interval of the two, the line's ends; decay and incomplete evaluations are left out."""
+    tokens = [1000 * 2 ** k for k in range(6)]
+    constant = [Point(k + 1, t, {0: 1.25, 1: 1.25}, False) for k, t in enumerate(tokens)]
+    flat = trend(constant)
+    assert flat.evaluations == 6 and flat.fitted(tokens[-1]) == pytest.approx(1.25)
+    assert flat.text().endswith("per doubling +0.000 ± 0.000 [+0.000, +0.000]: not separable from 0 with n=2")
+    falling = [Point(k + 1, t, {0: 1.4 - 0.05 * k, 1: 1.5 - 0.07 * k}, False) for k, t in enumerate(tokens)]
+    falling += [Point(7, 64000, {0: 0.5, 1: 0.5}, True), Point(8, 128000, {0: BEYOND, 1: 1.0}, False)]
+    found = trend(falling)
+    assert found.last.step == 6 and found.evaluations == 6
+    assert found.lines[0][0] == pytest.approx(-0.05) and found.lines[1][0] == pytest.approx(-0.07)
+    half = T975[1] * statistics.stdev([-0.05, -0.07]) / math.sqrt(2)
+    assert found.text() == (f"steps 1-6 (6 evaluations): the line runs from 1.45 at 0.00M tokens to 1.15 at 0.03M; "
+                            f"per doubling -0.060 ± 0.014 [{-0.06 - half:+.3f}, {-0.06 + half:+.3f}]: "
+                            "not separable from 0 with n=2")
+    assert trend(falling[:2]) is None
+
+
+def test_controls_long_trend_is_an_independent_least_squares_slope_per_seed():
+    """Block S=4 falls by 0.044 per doubling of tokens on both seeds before the decay (steps 50-700); the slope
+    by hand is cov(log2 tokens, multiplier) / var(log2 tokens) per seed."""
+    groups = load_groups("controls_long")
+    block = group(groups, "s", "block S=4")
+    points = multiplier_points(block, baseline_of(block, groups))
+    found = trend(points)
+    stable = [p for p in points if p.step <= 700]
+    x = [math.log2(p.tokens) for p in stable]
+    for seed in (0, 1):
+        y = [p.by_seed[seed] for p in stable]
+        slope = statistics.covariance(x, y) / statistics.variance(x)
+        assert found.lines[seed][0] == pytest.approx(slope, rel=1e-9)
+    assert (found.first.step, found.last.step) == (50, 700)
+    assert found.text().endswith("falling on every seed, interval excludes 0")
 
 
 def test_budget_columns_take_the_nearest_evaluation_and_name_another_step():
