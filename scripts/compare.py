@@ -6,7 +6,8 @@
     python -m scripts.compare --report-only runs/a runs/b [--out reports/mine]
 
 Each run trains in this process into runs/<experiment>/<run>-s<seed>. A run whose newest checkpoint
-is at train.steps is skipped; an unfinished one resumes (resume=auto). Under torchrun every rank
+is at train.steps, or that finished.json records as finished, is skipped (so a finished run's checkpoints
+may be deleted to free disk); an unfinished one resumes (resume=auto). Under torchrun every rank
 walks the same plan, so the runs train data-parallel. The report goes to reports/<experiment>/.
 Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only. A shard trains its
 share and writes no report: run the experiment once more without `shard` when every worker is done
@@ -15,6 +16,7 @@ share and writes no report: run the experiment once more without `shard` when ev
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -37,11 +39,32 @@ def progress(line: str) -> None:
     print(f"[compare] {line}", file=sys.stderr, flush=True)
 
 
+FINISHED_FILE = "finished.json"  # {"step": N}: the run reached step N; outlives its checkpoints
+
+
 def completed_steps(run_dir: Path) -> int:
     # The step from the directory name: a damaged newest checkpoint is the trainer's to skip (resume=auto),
     # not a reason for the whole grid to stop.
     checkpoint = latest_checkpoint(run_dir)
     return int(STEP_DIR.fullmatch(checkpoint.name).group(1)) if checkpoint is not None else 0
+
+
+def finished_step(run_dir: Path) -> int:
+    marker = run_dir / FINISHED_FILE
+    return int(json.loads(marker.read_text())["step"]) if marker.is_file() else 0
+
+
+def record_finished(run_dir: Path) -> None:
+    (run_dir / FINISHED_FILE).write_text(json.dumps({"step": completed_steps(run_dir)}) + "\n")
+
+
+def refuse_to_retrain(run_dir: Path, steps: int) -> None:
+    """A finished run whose checkpoints were deleted has nothing to resume from: training it again would
+    start at step 0 and replace its metrics, so a longer train.steps is refused instead."""
+    finished = finished_step(run_dir)
+    if 0 < finished < steps and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"{run_dir} finished at step {finished} and has no checkpoint to extend it to "
+                          f"train.steps={steps}; start it in a new runs_dir, or keep train.steps={finished}")
 
 
 def ensure_depth_matrix(run_dir: Path, say) -> None:
@@ -77,9 +100,11 @@ def train_experiment(experiment: Experiment) -> list[Path]:
     say = progress if info.is_main else (lambda line: None)
     mine = experiment.my_runs()
     total = len(mine)
-    for k, run in enumerate(mine, start=1):
-        cfg = load_config(run.overrides)
-        done = completed_steps(run.run_dir)
+    configs = [load_config(run.overrides) for run in mine]
+    for run, cfg in zip(mine, configs):
+        refuse_to_retrain(run.run_dir, cfg.train.steps)
+    for k, (run, cfg) in enumerate(zip(mine, configs), start=1):
+        done = max(completed_steps(run.run_dir), finished_step(run.run_dir))
         if done >= cfg.train.steps:
             say(f"{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
         else:
@@ -88,6 +113,8 @@ def train_experiment(experiment: Experiment) -> list[Path]:
             started = time.perf_counter()
             Trainer(cfg, info).fit()
             say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+        if info.is_main and completed_steps(run.run_dir) >= cfg.train.steps:
+            record_finished(run.run_dir)
         if info.world_size == 1:
             ensure_depth_matrix(run.run_dir, say)
             ensure_evaluation(run.run_dir, experiment.evaluation, say)

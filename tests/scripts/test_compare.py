@@ -1,5 +1,6 @@
 """The comparison tool: an unfinished run resumes, a finished one is not trained again, the report follows."""
 import json
+import shutil
 
 import pytest
 
@@ -43,6 +44,38 @@ def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_datas
 
     compare.main(["--report-only", str(run_dir), "--out", str(tmp_path / "only")])
     assert (tmp_path / "only" / "report.md").is_file()
+
+
+def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_wiped(tmp_path, tiny_dataset,
+                                                                                     monkeypatch, capsys):
+    """Deleting a finished run's checkpoints frees disk; without finished.json the next launch would train
+    it again from step 0 and drop its metrics."""
+    shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=4) if not o.startswith("run.dir=")]
+    experiment = tmp_path / "tiny.yaml"
+    experiment.write_text(json.dumps({"seeds": [0], "shared": shared,
+                                      "runs": [{"name": "xs-block", "overrides": ["variant=block"]}]}))
+    tool = [f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"]
+    run_dir = tmp_path / "runs" / "xs-block-s0"
+    compare.main(tool)
+    assert json.loads((run_dir / compare.FINISHED_FILE).read_text()) == {"step": 4}
+    shutil.rmtree(run_dir / "checkpoints")
+    metrics = (run_dir / "metrics.jsonl").read_text()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(compare, "Trainer", no_training)
+    compare.main(tool)
+    assert "xs-block-s0: finished (4/4 steps), skipped" in capsys.readouterr().err
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main([*tool, "train.steps=6"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[1:] == [f"[compare] error: {run_dir} finished at step 4 and has no checkpoint to extend it to "
+                     "train.steps=6; start it in a new runs_dir, or keep train.steps=4"]
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
 def test_unknown_experiment_is_one_clear_line(capsys):
