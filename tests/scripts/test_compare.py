@@ -17,13 +17,18 @@ def steps_logged(run_dir):
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_dataset, monkeypatch):
+def one_run_experiment(tmp_path, tiny_dataset, variant):
+    """A 4-step experiment of one run, seed 0: its shared overrides, the tool's arguments, its run directory."""
     shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=4) if not o.startswith("run.dir=")]
     experiment = tmp_path / "tiny.yaml"
     experiment.write_text(json.dumps({"seeds": [0], "shared": shared,
-                                      "runs": [{"name": "xs-baseline", "overrides": ["variant=baseline"]}]}))
+                                      "runs": [{"name": f"xs-{variant}", "overrides": [f"variant={variant}"]}]}))
     tool = [f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"]
-    run_dir = tmp_path / "runs" / "xs-baseline-s0"
+    return shared, tool, tmp_path / "runs" / f"xs-{variant}-s0"
+
+
+def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_dataset, monkeypatch):
+    shared, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "baseline")
     Trainer(load_config([*shared, "variant=baseline", "seed=0", f"run.dir={run_dir}", "train.stop_after=2",
                          "train.ckpt_every=2"]), init_distributed()).fit()
     assert latest_checkpoint(run_dir).name == "step_00000002"
@@ -50,12 +55,7 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_
                                                                                      monkeypatch, capsys):
     """Deleting a finished run's checkpoints frees disk; without finished.json the next launch would train
     it again from step 0 and drop its metrics."""
-    shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=4) if not o.startswith("run.dir=")]
-    experiment = tmp_path / "tiny.yaml"
-    experiment.write_text(json.dumps({"seeds": [0], "shared": shared,
-                                      "runs": [{"name": "xs-block", "overrides": ["variant=block"]}]}))
-    tool = [f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"]
-    run_dir = tmp_path / "runs" / "xs-block-s0"
+    _, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "block")
     compare.main(tool)
     assert json.loads((run_dir / compare.FINISHED_FILE).read_text()) == {"step": 4}
     shutil.rmtree(run_dir / "checkpoints")
@@ -74,7 +74,7 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[1:] == [f"[compare] error: {run_dir} finished at step 4 and has no checkpoint to extend it to "
-                     "train.steps=6; start it in a new runs_dir, or keep train.steps=4"]
+                         "train.steps=6; start it in a new runs_dir, or keep train.steps=4"]
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
