@@ -16,7 +16,6 @@ share and writes no report: run the experiment once more without `shard` when ev
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -30,6 +29,7 @@ from scripts.experiments import Evaluation, Experiment, load_experiment, split_o
 from scripts.report import build_report
 from scripts.report.runs import EVAL_FILE
 from trainer.run_dir.checkpoint import STEP_DIR, latest_checkpoint
+from trainer.run_dir.finished import finished_step
 from trainer.config import ConfigError, load_config
 from inference.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
@@ -39,9 +39,6 @@ def progress(line: str) -> None:
     print(f"[compare] {line}", file=sys.stderr, flush=True)
 
 
-FINISHED_FILE = "finished.json"  # {"step": N}: the run reached step N; outlives its checkpoints
-
-
 def completed_steps(run_dir: Path) -> int:
     # The step from the directory name: a damaged newest checkpoint is the trainer's to skip (resume=auto),
     # not a reason for the whole grid to stop.
@@ -49,18 +46,9 @@ def completed_steps(run_dir: Path) -> int:
     return int(STEP_DIR.fullmatch(checkpoint.name).group(1)) if checkpoint is not None else 0
 
 
-def finished_step(run_dir: Path) -> int:
-    marker = run_dir / FINISHED_FILE
-    return int(json.loads(marker.read_text())["step"]) if marker.is_file() else 0
-
-
-def record_finished(run_dir: Path) -> None:
-    (run_dir / FINISHED_FILE).write_text(json.dumps({"step": completed_steps(run_dir)}) + "\n")
-
-
 def refuse_to_retrain(run_dir: Path, steps: int) -> None:
-    """A finished run whose checkpoints were deleted has nothing to resume from: training it again would
-    start at step 0 and replace its metrics, so a longer train.steps is refused instead."""
+    """A finished run whose checkpoints were deleted has nothing to extend to a longer train.steps; said
+    before any run of the grid trains (the trainer would refuse only when that run's turn came)."""
     finished = finished_step(run_dir)
     if 0 < finished < steps and latest_checkpoint(run_dir) is None:
         raise ConfigError(f"{run_dir} finished at step {finished} and has no checkpoint to extend it to "
@@ -113,8 +101,6 @@ def train_experiment(experiment: Experiment) -> list[Path]:
             started = time.perf_counter()
             Trainer(cfg, info).fit()
             say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
-        if info.is_main and completed_steps(run.run_dir) >= cfg.train.steps:
-            record_finished(run.run_dir)
         if info.world_size == 1:
             ensure_depth_matrix(run.run_dir, say)
             ensure_evaluation(run.run_dir, experiment.evaluation, say)

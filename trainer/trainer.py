@@ -35,6 +35,7 @@ from trainer.data import SampleSampler, open_samples
 from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops, float8_flop_share
 from trainer.hang import HangWatchdog
+from trainer.run_dir.finished import FINISHED_FILE, finished_step, record_finished
 from trainer.run_dir.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
 from trainer import retrofit
 from trainer.run_dir.safe_io import write_file
@@ -166,6 +167,11 @@ class Trainer:
         if self.cfg.resume == "never" and existing is not None:
             raise ConfigError(f"resume=never but run.dir={self.run_dir} already holds {existing.name}; "
                               "use resume=auto to continue it or pick another run.dir")
+        finished = finished_step(self.run_dir)
+        if finished and existing is None and self.cfg.resume in ("auto", "never"):
+            raise ConfigError(f"run.dir={self.run_dir} finished at step {finished} ({FINISHED_FILE}) and holds no "
+                              "checkpoint: training it again would start at step 0 and replace its metrics; "
+                              "pick another run.dir")
         pinned_names(self.run_dir / CHECKPOINTS_DIR)
         if self.info.is_main:
             # A save killed by a full disk leaves its partial directory, holding the room the next save needs.
@@ -421,6 +427,8 @@ class Trainer:
             published = self.saver.wait()  # training ends when its last checkpoint is written
             if published is not None:
                 log.print(f"checkpoint {published} written")
+            if self.step == train.steps and self.info.is_main:
+                record_finished(self.run_dir, self.step)
         finally:
             watchdog.close()
             trace = profiler.close()  # a launch stopped inside the range keeps the steps it profiled

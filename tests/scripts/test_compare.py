@@ -9,6 +9,7 @@ from scripts.experiments import load_experiment
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import latest_checkpoint
+from trainer.run_dir.finished import FINISHED_FILE
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
@@ -57,7 +58,7 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_
     it again from step 0 and drop its metrics."""
     _, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "block")
     compare.main(tool)
-    assert json.loads((run_dir / compare.FINISHED_FILE).read_text()) == {"step": 4}
+    assert json.loads((run_dir / FINISHED_FILE).read_text()) == {"step": 4}
     shutil.rmtree(run_dir / "checkpoints")
     metrics = (run_dir / "metrics.jsonl").read_text()
 

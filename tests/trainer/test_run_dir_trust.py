@@ -20,7 +20,8 @@ from trainer.run_dir.checkpoint import (
     read_meta,
     seal_meta,
 )
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
+from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.run_dir.lock import RunDirError, check_run_dir
 from trainer.metrics import keep_rows_up_to
 from trainer.run_dir.safe_io import append_text, first_link, write_file
@@ -290,6 +291,33 @@ def test_every_reader_of_a_run_answers_mutations_with_one_line_or_a_value(finish
 
 
 # -- cause 7: what the docs promise ---------------------------------------------------------------
+
+def test_a_finished_run_whose_checkpoints_were_deleted_is_refused_not_retrained(run, tiny_dataset):
+    """Without finished.json, resume=auto found no checkpoint and trained the run again from step 0,
+    dropping its metrics rows."""
+    assert json.loads((run / FINISHED_FILE).read_text()) == {"step": STEPS}
+    shutil.rmtree(run / "checkpoints")
+    metrics = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError) as refused:
+        trainer(run, tiny_dataset)
+    assert one_line(refused) == (f"run.dir={run} finished at step {STEPS} (finished.json) and holds no checkpoint: "
+                                 "training it again would start at step 0 and replace its metrics; pick another run.dir")
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+@pytest.mark.parametrize("document, problem", [
+    ("[6]", "could not be read ('list' object has no attribute 'get')"),
+    ("{\"step\": ", "could not be read (Expecting value: line 1 column 10 (char 9))"),
+    ('{"step": "6"}', "has step '6'; expected a positive integer"),
+    ('{"step": 0}', "has step 0; expected a positive integer"),
+    ('{"step": true}', "has step True; expected a positive integer"),
+])
+def test_a_malformed_finished_json_is_refused_in_one_line(tmp_path, document, problem):
+    (tmp_path / FINISHED_FILE).write_text(document)
+    with pytest.raises(CheckpointError) as refused:
+        finished_step(tmp_path)
+    assert one_line(refused).startswith(f"{tmp_path / FINISHED_FILE} {problem}")
+
 
 def test_a_checkpoint_without_its_meta_json_is_named_and_passed_over(run, tiny_dataset, capsys):
     (checkpoint(run, 6) / "meta.json").unlink()
