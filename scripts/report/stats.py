@@ -60,8 +60,7 @@ class Paired:
 
     @property
     def excludes_zero(self) -> bool:
-        low, high = self.interval or (0.0, 0.0)
-        return low > 0 or high < 0
+        return interval_excludes_zero(self.diffs)
 
     def label(self) -> str:
         """The noise label, in words, from the interval: which side is ahead (lower loss), and on how many seeds."""
@@ -75,14 +74,19 @@ class Paired:
         return f"{self.mean:+.4f} ± {self.sd:.4f} (n={self.n}, t={self.t:+.1f}, 95% CI [{low:+.4f}, {high:+.4f}])"
 
 
+def interval_excludes_zero(values) -> bool:
+    """Whether the 95% interval of the mean lies wholly on one side of 0 (never with one value)."""
+    interval = t_interval(values)
+    return interval is not None and not interval[0] <= 0 <= interval[1]
+
+
 def interval_label(values, below: str, above: str) -> str:
     """Per-seed values' 95% interval in words: `below` or `above` 0 (and on how many seeds) where the interval
     excludes 0, else that it cannot be told from 0 at this n."""
     n = len(values)
     if n == 1:
         return "n=1: no interval"
-    low, high = t_interval(values)
-    if low <= 0 <= high:
+    if not interval_excludes_zero(values):
         return f"not separable from 0 with n={n}"
     mean = statistics.fmean(values)
     agreeing = sum(1 for v in values if (v < 0) == (mean < 0) and v != 0)
