@@ -306,7 +306,7 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_refused_not_retrained(
 
 
 @pytest.mark.parametrize("document, problem", [
-    ("[6]", "could not be read ('list' object has no attribute 'get')"),
+    ("[6]", "holds a JSON list; expected {\"step\": N}"),
     ("{\"step\": ", "could not be read (Expecting value: line 1 column 10 (char 9))"),
     ('{"step": "6"}', "has step '6'; expected a positive integer"),
     ('{"step": 0}', "has step 0; expected a positive integer"),

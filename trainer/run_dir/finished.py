@@ -25,10 +25,13 @@ def finished_step(run_dir: str | Path) -> int:
     if not marker.is_file():
         return 0
     try:
-        step = json.loads(marker.read_text()).get("step")
-    except (ValueError, OSError, AttributeError) as error:
+        record = json.loads(marker.read_text())
+    except (ValueError, OSError) as error:
         raise CheckpointError(f"{marker} could not be read ({str(error).splitlines()[0]}); expected "
                               '{"step": N}') from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{marker} holds a JSON {type(record).__name__}; expected " '{"step": N}')
+    step = record.get("step")
     if type(step) is not int or step <= 0:
         raise CheckpointError(f"{marker} has step {step!r}; expected a positive integer")
     return step
