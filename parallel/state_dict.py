@@ -19,12 +19,24 @@ def _placements(model: nn.Module) -> dict[str, tuple[Placement, nn.Parameter]]:
     return {name: (placement, param) for name, param, placement in placed_parameters(model) if placement is not None}
 
 
+def _moment_owner(flat_key: str) -> str | None:
+    """The parameter a flattened optimizer entry belongs to: `state.<name>.<moment>` -> name; None for
+    `param_groups.<name>.<hyperparameter>`, which are no tensors."""
+    if not flat_key.startswith("state."):
+        return None
+    return flat_key[len("state."):].rsplit(".", 1)[0]
+
+
 def _map_state(state: dict, convert) -> dict:
-    """`convert(name, value)` over the model entries and every optimizer moment of the state."""
+    """`convert(name, value)` over the model entries and every optimizer moment of the state, whether
+    get_state_dict nested the optimizer state (`state` -> name -> moments) or flattened it."""
     state["model"] = {name: convert(name, value) for name, value in state["model"].items()}
-    if "optim" in state:
-        state["optim"]["state"] = {name: {key: convert(name, value) for key, value in moments.items()}
-                                   for name, moments in state["optim"]["state"].items()}
+    optim = state.get("optim")
+    if optim is not None and isinstance(optim.get("state"), dict):
+        optim["state"] = {name: {key: convert(name, value) for key, value in moments.items()}
+                          for name, moments in optim["state"].items()}
+    elif optim is not None:
+        state["optim"] = {key: convert(_moment_owner(key), value) for key, value in optim.items()}
     return state
 
 

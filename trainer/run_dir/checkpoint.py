@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -64,6 +65,7 @@ FORMAT = 3  # 3: meta.json carries meta_sha256; 2: no checksum over meta.json; 1
 READABLE_FORMATS = (2, 3)
 META_DIGEST = "meta_sha256"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+NESTED_PARAM_GROUP = re.compile(r"optim\.param_groups\.\d+\.params")
 
 
 class CheckpointError(ValueError):
@@ -127,13 +129,22 @@ def _refuse_non_finite(model: nn.Module, step: int) -> None:
                               "the previous checkpoints are kept")
 
 
-def dcp_state(model: nn.Module, optimizers: list, scheduler, mesh) -> dict:
+def _optim_options(flat: bool) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def dcp_state(model: nn.Module, optimizers: list, scheduler, mesh, flat_optim: bool = True) -> dict:
     """What DCP saves/loads. get_state_dict names everything by canonical parameter names (no DDP
     `module.` prefix), so a checkpoint loads with or without DDP and at another world size; over `mesh`
     (the layout's DeviceMesh, None for one process) tp/ep slices are shown as whole tensors
-    (parallel.state_dict)."""
+    (parallel.state_dict).
+
+    The optimizer state is flattened by parameter name (`state.<name>.exp_avg`, `param_groups.<name>.lr`):
+    nested, its param groups are keyed by their index, and pipeline stages, whose groups hold different
+    parameters under the same index, would overwrite each other's `param_groups.0.params` in the one
+    checkpoint. flat_optim=False reads checkpoints written before (nested_optimizer_layout)."""
     if optimizers:
-        model_state, optim_state = get_state_dict(model, optimizers)
+        model_state, optim_state = get_state_dict(model, optimizers, options=_optim_options(flat_optim))
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model)}
@@ -511,10 +522,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
     extra = _read_extra(path, meta, rank)
     reader = SafeFileSystemReader(path)
     try:
-        reader.read_metadata()  # refuse a bad .metadata here, in one line, before DCP's collectives
+        metadata = reader.read_metadata()  # refuse a bad .metadata here, in one line, before DCP's collectives
     except Exception as error:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
-    state = dcp_state(model, optimizers, scheduler, mesh)
+    flat_optim = not nested_optimizer_layout(metadata)
+    state = dcp_state(model, optimizers, scheduler, mesh, flat_optim)
     try:
         with _single_process_is_fine():
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
@@ -523,10 +535,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: list, schedu
     if mesh is not None:
         state = from_global_state(state, model)
     if optimizers:
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_optim_options(flat_optim))
     else:
         set_model_state_dict(model, state["model"])
     return extra, meta
+
+
+def nested_optimizer_layout(metadata) -> bool:
+    """Whether a checkpoint's DCP metadata holds the optimizer state nested, param groups by index (as
+    written before the layout became flat; readable where every rank holds every parameter)."""
+    return any(NESTED_PARAM_GROUP.fullmatch(key) for key in metadata.state_dict_metadata)
 
 
 def _flatten(values: dict, prefix: str) -> dict[str, object]:
