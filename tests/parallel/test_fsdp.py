@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import resume_matrix
 from conftest import fast_train_overrides, preloaded_launch, task_rows, torchrun_runs
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
@@ -308,8 +309,11 @@ def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_
     stages of tp=2 neighbours, each rank's tp slices of its chunks HSDP-sharded over 2 replicas x 2 fsdp
     shards, the experts' ep slices left out of fully_shard, cross-stage cache on). Each trains 3 steps and
     resumes both ways from one process with one process's losses, gradient norms (clipping active) and
-    validation loss, rel 1e-5."""
+    validation loss, rel 1e-5. The same launch runs the resume matrix's presets of its world size
+    (tests/parallel/resume_matrix.py): each stops and resumes in its own layout bitwise."""
     settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in layouts.items()}
-    result = torchrun_runs(composed_runs(settings, tmp_path, tiny_dataset), tmp_path, nproc=nproc)
+    runs = composed_runs(settings, tmp_path, tiny_dataset) + resume_matrix.runs(nproc, tmp_path / "resume", tiny_dataset)
+    result = torchrun_runs(runs, tmp_path, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
+    resume_matrix.assert_resumed_bitwise(nproc, tmp_path / "resume")
