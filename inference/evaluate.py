@@ -25,7 +25,8 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
   num_fewshot=0     few-shot examples before each prompt
   include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here). A
                     YAML there may run Python (`!function module.name` imports module.py from its
-                    directory): such a directory is refused unless allow_task_code=true
+                    directory): a directory whose YAMLs (or the files they include) hold any tag but plain
+                    data's (str, int, map, ...), or do not parse, is refused unless allow_task_code=true
   allow_task_code=false  true: run the Python that include_path's task YAMLs name (only for code you trust)
   device=auto       auto (cuda when available), cpu, cuda or cuda:N
   tokenizer=        tokenizer.json to use instead of the one in the export directory
@@ -34,12 +35,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from model.documents import document_starts
 from trainer.config import Config
@@ -53,7 +54,14 @@ from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 from trainer.run_dir.safe_io import write_file
 
 FUNCTION_TAG = "!function"
-INCLUDE_LINE = re.compile(r"^\s*include:\s*(\S+)", re.MULTILINE)
+# lm_eval parses task YAMLs with libyaml's safe loader when PyYAML has it (the pure-Python parser otherwise);
+# the check parses with the same one, so that it sees the tags lm_eval's loader will see.
+TASK_YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
+# The tags that build plain data: those a safe loader constructs, and the merge key `<<`. Every other tag is
+# refused, not only !function: lm_eval or a later release may hand any tag it registers to code.
+DATA_TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag) | {"tag:yaml.org,2002:merge"}
+YAML_SUFFIXES = (".yaml", ".yml")
+TRUST_HINT = "pass allow_task_code=true only if you trust that directory's code"
 PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
 
 
@@ -138,35 +146,93 @@ def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> BlendSamples
 
 
 def check_include_path(include_path: str | None, allow_task_code: bool) -> Path:
-    """The task directory; one whose YAMLs name Python to run (`!function`, lm_eval's tag that imports a module
-    from the YAML's directory) only with allow_task_code, except this repository's own."""
+    """The task directory; one whose YAMLs hold a tag other than plain data's (`!function`, lm_eval's tag that
+    imports a module from the YAML's directory, above all) only with allow_task_code, except this repository's own."""
     path = Path(include_path) if include_path else LOCAL_TASKS
     if not path.is_dir():
         raise EvaluateError(f"include_path={include_path} is not a directory; give a directory of lm_eval task YAMLs "
                             f"(default {LOCAL_TASKS})")
-    if allow_task_code or path.resolve() == LOCAL_TASKS:
-        return path
-    for yaml_file in task_yamls(path):
-        for number, line in enumerate(yaml_file.read_text(errors="replace").splitlines(), start=1):
-            if FUNCTION_TAG in line:
-                raise EvaluateError(f"include_path={include_path}: {yaml_file}:{number} runs Python ({FUNCTION_TAG}); "
-                                    "pass allow_task_code=true only if you trust that directory's code")
+    if not allow_task_code and path.resolve() != LOCAL_TASKS:
+        check_task_yamls(path, f"include_path={include_path}")
     return path
 
 
-def task_yamls(directory: Path) -> list[Path]:
-    """Every YAML lm_eval reads for `directory`: those under it, and those their `include:` lines name."""
-    found, pending = set(), sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+def check_task_yamls(directory: Path, option: str) -> None:
+    """Every YAML lm_eval reads for `directory` (those under it, and those their `include:` names) holds plain
+    data only; `option` (the setting that named the directory) starts each refusal."""
+    checked = set()
+    pending = sorted((p.resolve() for p in directory.rglob("*") if p.suffix in YAML_SUFFIXES and p.is_file()),
+                     reverse=True)  # popped from the end: the first refusal is that of the first file by name
     while pending:
         yaml_file = pending.pop()
-        if yaml_file in found:
+        if yaml_file not in checked:
+            checked.add(yaml_file)
+            pending.extend(included_files(yaml_file, plain_task_data(yaml_file, option)))
+
+
+def plain_task_data(yaml_file: Path, option: str):
+    """`yaml_file` parsed as lm_eval parses it, refused unless every node's tag is plain data's. The tag is the
+    parser's, after %TAG handles, %-escapes and verbatim !<...> are undone and a UTF-16 byte-order mark has
+    picked the encoding (bytes in, as lm_eval reads the file): text search sees none of those spellings."""
+    try:
+        loader = TASK_YAML_LOADER(yaml_file.read_bytes())
+    except OSError as error:
+        raise EvaluateError(f"{option}: {yaml_file} cannot be read ({error.strerror}); fix its permissions or "
+                            "remove it") from None
+    try:
+        root = loader.get_single_node()
+        node = first_non_data_node(root)
+        # Constructed only once every tag is plain data's, for the `include:` it may hold.
+        data = None if root is None or node is not None else loader.construct_document(root)
+    # ValueError: a scalar the resolver reads as a date that is none (2024-02-30) fails in construction.
+    except (yaml.YAMLError, ValueError) as error:
+        raise EvaluateError(f"{option}: {yaml_file} is not YAML lm_eval can read ({' '.join(str(error).split())}); "
+                            "fix or remove it") from None
+    finally:
+        loader.dispose()
+    if node is not None:
+        where = f"{option}: {yaml_file}:{node.start_mark.line + 1}"
+        if node.tag == FUNCTION_TAG:
+            raise EvaluateError(f"{where} runs Python ({FUNCTION_TAG}); {TRUST_HINT}")
+        raise EvaluateError(f"{where} has the YAML tag {node.tag!r}, which is not plain data (str, int, float, "
+                            f"bool, null, map, seq, ...); remove it, or {TRUST_HINT}")
+    return data
+
+
+def first_non_data_node(root: yaml.Node | None) -> yaml.Node | None:
+    """The first node, in document order, whose tag is not in DATA_TAGS; an alias is walked once."""
+    seen, pending = set(), [] if root is None else [root]
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
             continue
-        found.add(yaml_file)
-        for match in INCLUDE_LINE.finditer(yaml_file.read_text(errors="replace")):
-            included = yaml_file.parent / match.group(1).strip("'\"")
-            if included.is_file():
-                pending.append(included.resolve())
-    return sorted(found)
+        seen.add(id(node))
+        if node.tag not in DATA_TAGS:
+            return node
+        if isinstance(node, yaml.MappingNode):
+            pending.extend(child for pair in reversed(node.value) for child in reversed(pair))
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend(reversed(node.value))
+    return None
+
+
+def included_files(yaml_file: Path, data) -> list[Path]:
+    """The files `data`'s `include:` names, resolved as lm_eval's load_yaml resolves them (from the including
+    file's real directory); a name lm_eval could not open is skipped, as lm_eval skips its task."""
+    if not isinstance(data, dict) or "include" not in data:
+        return []
+    names = data["include"] if isinstance(data["include"], list) else [data["include"]]
+    found = []
+    for name in names:
+        if not isinstance(name, str):
+            continue
+        try:
+            included = (yaml_file.parent / name).resolve()
+        except (OSError, ValueError, RuntimeError):  # a NUL byte in the name; a symlink loop
+            continue
+        if included.is_file():
+            found.append(included)
+    return found
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
@@ -26,6 +27,7 @@ from inference.export import export
 from inference.generate import GenerateError
 from inference.lm_eval_model import ExportedAttnResLM
 from trainer.lm_eval_model import AttnResLM, LMEvalError
+from trainer.lm_tasks import task_manager_for
 from trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -272,8 +274,119 @@ def test_task_code_outside_the_repositorys_tasks_runs_only_with_allow_task_code(
     (shared / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !function mod.load\n")
     err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
     assert err.startswith(f"error: include_path={tasks}: {shared / 'base.yaml'}:2 runs Python (!function)")
+    # The same tag in a spelling only the YAML parser reads as !function.
+    (shared / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !%66unction mod.load\n")
+    err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
+    assert err.startswith(f"error: include_path={tasks}: {shared / 'base.yaml'}:2 runs Python (!function)")
+    assert not marker.exists()
     assert inference.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
     assert inference.evaluate.check_include_path(None, allow_task_code=False) == inference.evaluate.LOCAL_TASKS
+
+
+CODE_TASK = "task: mine\ncustom_dataset: {tag} mod.load\n"
+# Each spelling of lm_eval's !function tag as its YAML parser resolves it, and the line the tag is on.
+FUNCTION_SPELLINGS = {
+    "plain": (CODE_TASK.format(tag="!function").encode(), 2),
+    "uri_escape": (CODE_TASK.format(tag="!%66unction").encode(), 2),
+    "tag_directive": (("%TAG !x! !fun\n---\n" + CODE_TASK.format(tag="!x!ction")).encode(), 4),
+    "primary_handle_redefined": (("%TAG ! !fun\n---\n" + CODE_TASK.format(tag="!ction")).encode(), 4),
+    "verbatim": (CODE_TASK.format(tag="!<!function>").encode(), 2),
+    "utf16_le_bom": (("\ufeff" + CODE_TASK.format(tag="!function")).encode("utf-16-le"), 2),
+    "utf16_be_bom": (("\ufeff" + CODE_TASK.format(tag="!function")).encode("utf-16-be"), 2),
+    "mapping_key": (b"task: mine\n? !function mod.load\n: 1\n", 2),
+}
+
+
+def task_dir_with_module(tmp_path) -> tuple[Path, Path]:
+    """A task directory whose mod.py leaves a marker file when imported, and that marker."""
+    tasks, marker = tmp_path / "tasks", tmp_path / "ran"
+    tasks.mkdir()
+    (tasks / "mod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef load(*args, **kwargs):\n    return None\n")
+    return tasks, marker
+
+
+@pytest.mark.parametrize("spelling", FUNCTION_SPELLINGS)
+def test_every_spelling_of_the_function_tag_is_refused_and_lm_eval_would_run_each(tmp_path, spelling):
+    """The check decides on the tags the YAML parser resolves, not on the text: most spellings here hide
+    `!function` from a text search, and lm_eval's own loader imports mod.py for every one of them."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    text, line = FUNCTION_SPELLINGS[spelling]
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tasks / "mine.yaml").write_bytes(text)
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    assert str(refused.value) == (f"include_path={tasks}: {tasks / 'mine.yaml'}:{line} runs Python (!function); "
+                                  "pass allow_task_code=true only if you trust that directory's code")
+    assert not marker.exists()
+    load_yaml(tasks / "mine.yaml", resolve_func=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("encoding", ["utf-32-le", "utf-32-be"])
+def test_a_task_yaml_neither_parser_reads_is_refused(tmp_path, encoding):
+    """UTF-32 (with its byte-order mark) is no encoding YAML parsers detect; lm_eval would fail on the file too."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tasks / "mine.yaml").write_bytes(("\ufeff" + CODE_TASK.format(tag="!function")).encode(encoding))
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    message = str(refused.value)
+    assert message.startswith(f"include_path={tasks}: {tasks / 'mine.yaml'} is not YAML lm_eval can read (")
+    assert message.endswith("); fix or remove it") and "\n" not in message
+    with pytest.raises(yaml.YAMLError):
+        load_yaml(tasks / "mine.yaml", resolve_func=True)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("including", [
+    "include: [../shared/base.yaml]\ntask: mine\n",
+    "<<: {include: ../shared/base.yaml}\ntask: mine\n",  # a merge key: `include` only after construction
+])
+def test_a_tag_in_a_file_reached_through_include_is_refused(tmp_path, including):
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    tasks, marker = task_dir_with_module(tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "mod.py").write_text((tasks / "mod.py").read_text())
+    (tasks / "mine.yaml").write_text(including)
+    (shared / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !%66unction mod.load\n")
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    assert str(refused.value).startswith(f"include_path={tasks}: {shared / 'base.yaml'}:2 runs Python (!function);")
+    assert not marker.exists()
+    load_yaml(tasks / "mine.yaml", resolve_func=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("text, tag", [
+    ("task: mine\ncall: !!python/name:os.system\n", "tag:yaml.org,2002:python/name:os.system"),
+    ("task: mine\nshared: !include base.yaml\n", "!include"),
+    ("task: mine\nweird: !%0Afoo x\n", "!\nfoo"),
+])
+def test_any_tag_but_plain_datas_is_refused_naming_it(tmp_path, text, tag):
+    tasks, _ = task_dir_with_module(tmp_path)
+    (tasks / "mine.yaml").write_text(text)
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    assert str(refused.value) == (f"include_path={tasks}: {tasks / 'mine.yaml'}:2 has the YAML tag {tag!r}, which is "
+                                  "not plain data (str, int, float, bool, null, map, seq, ...); remove it, or pass "
+                                  "allow_task_code=true only if you trust that directory's code")
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
+
+
+def test_a_task_of_plain_data_passes_and_lm_eval_indexes_it(tmp_path):
+    """Explicit core tags, anchors, merge keys and a UTF-16 file are all plain data."""
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tasks / "mine.yaml").write_bytes(("\ufeff" + "defaults: &defaults\n  output_type: loglikelihood\n"
+                                       "  num_fewshot: !!int 0\ntask: mine\n<<: *defaults\n"
+                                       "dataset_path: json\ndoc_to_text: !!str '{{text}}'\n").encode("utf-16-le"))
+    (tasks / "base.yml").write_text("metric_list:\n  - metric: acc\n")
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=False) == tasks
+    assert "mine" in task_manager_for(["mine"], tasks).all_tasks
+    assert not marker.exists()
 
 
 def test_help_prints_the_usage(capsys):
