@@ -17,6 +17,7 @@ INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 MODEL_TYPE = "attnres"
 PREFIX = "model."  # AttnResForCausalLM holds our Decoder as .model
+FLOAT8_CHUNK = 1 << 24  # elements widened to float32 at once: 64 MiB
 
 
 class WeightsError(ValueError):
@@ -30,10 +31,25 @@ class HFExportError(WeightsError):
 def check_finite(state: dict[str, torch.Tensor], source: Path) -> None:
     """Every floating-point tensor read from `source` finite: one NaN or inf weight makes every output NaN."""
     for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        bad = non_finite_count(tensor, name, source) if tensor.is_floating_point() else 0
+        if bad:
             raise WeightsError(f"{source}: tensor {name} holds {bad:,} non-finite values (NaN or inf) of "
                                f"{tensor.numel():,}; export a checkpoint whose weights are finite")
+
+
+def non_finite_count(tensor: torch.Tensor, name: str, source: Path) -> int:
+    """NaN and inf entries of a floating-point `tensor`. torch.isfinite has no kernel for most one-byte floats
+    (float8_e4m3fn, ...), so those are counted in float32, which holds each of their values exactly, a chunk at
+    a time so that a large tensor never needs four times its size at once. Loading then widens them the same
+    way into the model's parameters."""
+    if tensor.dtype.itemsize > 1:
+        return int((~torch.isfinite(tensor)).sum())
+    try:
+        return sum(int((~torch.isfinite(chunk.float())).sum()) for chunk in tensor.reshape(-1).split(FLOAT8_CHUNK))
+    except NotImplementedError:  # float4_e2m1fn_x2: two values packed per element, nothing widens it
+        raise WeightsError(f"{source}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, which cannot be "
+                           "widened into the model's parameters; store the weights as float32, bfloat16, float16 "
+                           "or a float8 dtype") from None
 
 
 def is_hf_export(path: Path) -> bool:
