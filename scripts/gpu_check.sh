@@ -11,12 +11,18 @@
 #   bash scripts/gpu_check.sh --rehearse   every check on the CPU with tiny shapes (the suite runs this);
 #                                          only CUDA-only steps SKIP, each naming what it would have measured
 #
-# PYTHON picks the interpreter (default python3); GPU_CHECK_OUT the output folder (default
+# PYTHON picks the interpreter (default: the repository's .venv/bin/python, which `make setup` builds, where it
+# exists, else python3); GPU_CHECK_OUT the output folder (default
 # runs/gpu_check/<time>): gpu_check.json holds every figure, summary.txt the one-screen summary, and each
 # check's folder its log.
 set -u
 cd "$(dirname "$0")/.."
 
+# After `make setup` torch lives only in .venv; a lent machine has no .venv and its python3 holds torch.
+# Relative (the script runs from the repository root): $PYTHON is word-split, a repository path may hold spaces.
+if [[ -z "${PYTHON:-}" && -x .venv/bin/python ]]; then
+  PYTHON=.venv/bin/python
+fi
 PYTHON=${PYTHON:-python3}
 OUT=${GPU_CHECK_OUT:-runs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 REPO=$PWD
@@ -31,7 +37,7 @@ if [[ $# -gt 1 ]]; then
 fi
 
 if [[ ${#MODE[@]} -eq 0 ]] && ! $PYTHON -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  echo "gpu_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False); --rehearse runs every check on the CPU" >&2
+  echo "gpu_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False); --rehearse runs every check on the CPU, PYTHON=INTERPRETER picks another" >&2
   exit 2
 fi
 

@@ -56,8 +56,34 @@ def test_without_a_gpu_a_real_run_refuses_in_one_line(tmp_path):
     assert result.returncode == 2 and not (tmp_path / "gpu_check.json").exists()
     # Before anything is installed from .gpu/wheels.
     assert result.stderr == (f"gpu_check: no CUDA device visible to {sys.executable} (torch.cuda.is_available() is "
-                             "False); --rehearse runs every check on the CPU\n") and result.stdout == ""
+                             "False); --rehearse runs every check on the CPU, PYTHON=INTERPRETER picks another\n")
+    assert result.stdout == ""
     assert gpu_check("--fast", out=tmp_path).stderr == "gpu_check: unknown argument '--fast'; the only option is --rehearse\n"
+
+
+def refused_interpreter(repo: Path, **env) -> str:
+    """The interpreter a real run in `repo` (a copy of the script, no CUDA) tried, as its refusal names it."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    result = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                            timeout=60, env={**environment, "CUDA_VISIBLE_DEVICES": "", **env})
+    assert result.returncode == 2, result.stderr
+    return result.stderr.removeprefix("gpu_check: no CUDA device visible to ").partition(" (torch.cuda")[0]
+
+
+def test_the_interpreter_is_the_repositorys_venv_where_make_setup_built_one(tmp_path):
+    """After `make setup` torch is only in .venv: the rehearsal failed on python3's 'No module named torch'."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "gpu_check.sh").write_text((REPO / "scripts" / "gpu_check.sh").read_text())
+    assert refused_interpreter(repo) == "python3"
+    venv_python = repo / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(tmp_path / "gone")  # a .venv whose interpreter is missing is no interpreter
+    assert refused_interpreter(repo) == "python3"
+    venv_python.unlink()
+    venv_python.symlink_to(sys.executable)
+    assert refused_interpreter(repo) == ".venv/bin/python"
+    assert refused_interpreter(repo, PYTHON=sys.executable) == sys.executable
 
 
 GOALS = Namespace(goal_speedup=1.4, goal_peak_pct=70.0, max_error=2e-2)
