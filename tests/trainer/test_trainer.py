@@ -1,5 +1,6 @@
 """The trainer: exact resume (single process and DDP, fp32 and bf16), checkpoints across precisions, DDP ==
 single process, crash recovery, non-finite steps, and refusals that name what is wrong."""
+import hashlib
 import json
 import shutil
 
@@ -8,7 +9,7 @@ import torch
 
 from conftest import built_once, fast_train_overrides, task_rows, torchrun, torchrun_runs
 from parallel.dims import init_distributed
-from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint, seal_meta
 from trainer.config import ConfigError, load_config
 from trainer.trainer import NonFiniteError, Trainer
 
@@ -207,3 +208,51 @@ def test_a_rank_killed_mid_training_is_restarted_by_torchrun_and_ends_like_the_u
     assert [r["step"] for r in metrics(crashed)] == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, after the restart
     assert losses(crashed) == losses(runs["ddp"])
     assert not list(crashed.glob(".crash_injected_rank*"))
+
+
+def reseal_extra(checkpoint, rank: int, change) -> None:
+    """Edit extra/rank_<rank>.json as someone would who also recomputes every checksum."""
+    extra_file, meta_file = checkpoint / "extra" / f"rank_{rank}.json", checkpoint / "meta.json"
+    extra = json.loads(extra_file.read_text())
+    change(extra)
+    extra_file.write_text(json.dumps(extra))
+    meta = json.loads(meta_file.read_text())
+    meta["files"][f"extra/rank_{rank}.json"] = {"bytes": extra_file.stat().st_size,
+                                                "sha256": hashlib.sha256(extra_file.read_bytes()).hexdigest()}
+    meta_file.write_text(json.dumps(seal_meta(meta)))
+
+
+def test_a_rank_failing_alone_ends_the_job_at_once_naming_its_error(tmp_path, tiny_dataset, ddp_launch):
+    """Rank 1 alone refuses its extra file at start-up while rank 0 goes on into the first step's all-reduce,
+    where nothing would end its wait before parallel.init_timeout_s (600 s, the default). Rank 0 reads rank
+    1's failure from the job's store (parallel/failure.py) and stops with a line naming it: the launch ends
+    within the subprocess limit of 120 s, start-up included."""
+    runs, _ = ddp_launch
+    run = tmp_path / "run"
+    shutil.copytree(runs["ddp_resumed"], run)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")  # the run is back at an earlier checkpoint
+    (run / "finished.json").unlink()
+    checkpoint = latest_checkpoint(run)
+    step = int(checkpoint.name.removeprefix("step_"))
+    reseal_extra(checkpoint, 1, lambda extra: extra.update(step=99))
+    result = torchrun(fast_train_overrides(run, tiny_dataset, steps=6), nproc=2, timeout=120)
+    assert result.returncode != 0
+    refusal = f"checkpoint {checkpoint}: extra/rank_1.json has step 99; the checkpoint is of step {step}"
+    assert f"error: {refusal}\n" in result.stderr
+    assert f"error: rank 0 stops because rank 1: CheckpointError: {refusal}\n" in result.stderr
+    assert "Error executing job" not in result.stderr  # Hydra's header of a rank's traceback
+
+
+def test_a_collective_timeout_is_one_line_and_ends_the_peer(tmp_path, tiny_dataset):
+    """Rank 1 sleeps 60 s inside step 2; rank 0's collective times out after parallel.collective_timeout_s
+    (2 s) and says so in one line, with no second traceback from leaving; rank 1, still asleep, reads that
+    failure from the job's store and stops with a line naming it, long before its sleep would end."""
+    result = torchrun(fast_train_overrides(tmp_path / "run", tiny_dataset, steps=3, **{
+        "parallel.collective_timeout_s": 2, "debug.sleep_at_step": 2, "debug.sleep_s": 60, "debug.sleep_rank": 1}),
+        nproc=2, timeout=55)
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    timeout = [line for line in lines if line.startswith("error: rank 0: a collective timed out")]
+    assert len(timeout) == 1 and "parallel.collective_timeout_s" in timeout[0], result.stderr[-3000:]
+    assert any(line.startswith("error: rank 1 stops because rank 0: ") for line in lines), result.stderr[-3000:]
+    assert "During handling" not in result.stderr and "Error executing job" not in result.stderr
