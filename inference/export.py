@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -40,6 +41,8 @@ from omegaconf.errors import OmegaConfBaseException
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from model.config import ModelConfig
+from model.params import config_counts
 from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from inference.hf.export import write_hf_export
 from trainer.trained import load_trained
@@ -293,6 +296,23 @@ def check_trained_context(export_dir: Path, seq_len: int) -> None:
     if recorded is not None and recorded != str(seq_len):
         raise ExportError(f"{config} has train.seq_len={seq_len} but {file} was trained at seq_len={recorded}; "
                           "restore config.json or re-export with inference.export")
+
+
+def check_export_size(export_dir: Path, model_cfg: ModelConfig) -> None:
+    """model.safetensors' own tensor sizes (its header: nothing is loaded) against the size of the model
+    config.json builds, counted from the config alone: a config edited to a far larger model (its fingerprint
+    recomputed) is refused here, before that model is built, rather than building it until memory runs out."""
+    file = export_dir / MODEL_FILE
+    try:
+        with safe_open(file, "pt") as weights:
+            held = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    except (OSError, SafetensorError) as error:
+        raise _unreadable(file, error) from None
+    built = config_counts(model_cfg).state
+    if held != built:
+        raise ExportError(f"{file} holds {held:,} weights but {export_dir / CONFIG_FILE} builds a model of {built:,} "
+                          f"(model.n_blocks={model_cfg.n_blocks}, model.d_model={model_cfg.d_model}); restore "
+                          "config.json or re-export with inference.export")
 
 
 def read_exported_weights(model: torch.nn.Module, export_dir: Path) -> dict[str, torch.Tensor]:

@@ -36,8 +36,8 @@ from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE
                                 model_fingerprint)
 from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data.format import tokenizer_vocab_size
-from inference.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_trained_context,
-                            parse_key_values, read_exported_weights, read_export_config, run_cli)
+from inference.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_export_size,
+                            check_trained_context, parse_key_values, read_exported_weights, read_export_config, run_cli)
 
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
 
@@ -124,6 +124,7 @@ def export_config(export_dir: Path, variant: str | None) -> Config:
         raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.variant} "
                             "model; drop variant= or pick an export of that variant")
     check_trained_context(export_dir, cfg.train.seq_len)
+    check_export_size(export_dir, cfg.model)
     return cfg
 
 

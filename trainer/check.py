@@ -9,16 +9,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from model import build_model
-from model.params import count_parameters
+from model.params import config_counts
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.data import open_samples
 from trainer.run_dir.lock import check_run_dir
-
-
-def total_parameters(cfg) -> int:
-    """The whole model's parameter count, without allocating it (meta tensors)."""
-    return count_parameters(build_model(cfg, device="meta"))["total"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.overrides)
         train = cfg.train
         validate_layout(cfg, args.nproc)
-        check_run_dir(Path(cfg.run.dir).resolve(), total_parameters(cfg))  # RunDirError is a RuntimeError
+        check_run_dir(Path(cfg.run.dir).resolve(), config_counts(cfg.model).total)  # RunDirError is a RuntimeError
         # Prepared data and megatron-core's index cache, built here once so the ranks only read them.
         samples = open_samples(cfg.data, cfg.model.vocab_size, train.seq_len, cfg.seed)
         samples.build_for_run(train.steps, train.global_batch)

@@ -6,7 +6,9 @@ and what is allowed, raised before any work starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kernels.select import IMPLS, triton_refusal
 from model.config import VARIANTS, ModelConfig, ResidualConfig
 from model.init import INIT_SCHEMES
+from model.params import config_counts
 from parallel.compat import context_parallel_refusal
 from parallel.dims import PRECISIONS, Degrees
 
@@ -184,11 +187,34 @@ CHOICES = {
     "checkpoint.async_mode": ("off", "async", "async_pinned"),
 }
 
+# Transformer blocks: 8x the deepest released LLMs (about 128). Each block is Python modules built one by one
+# (3.6 ms a block even on the meta device), so a forged count of a million would build for an hour before
+# any size check (a checkpoint's or export's weights, the host's memory) could run.
+MAX_BLOCKS = 1024
+# KDA's chunk (tokens): its chunkwise form holds chunk_size x chunk_size matrices per chunk, and a chunk longer
+# than the sequence only pads it; fla's fused kernel fixes its own at 64, the default.
+MAX_KDA_CHUNK = 1024
+# The largest seed: the int64 every integer of the config keeps (check_numbers); torch.manual_seed takes it.
+MAX_SEED = 2 ** 63 - 1
+# The longest duration of any *_s key: 7 days, beyond any step or collective worth waiting for and well within
+# what timedelta (the process groups' timeouts; 1e15 s overflowed it), time.sleep and the watchdog's waits take.
+MAX_DURATION_S = 7 * 24 * 3600
+INT64 = (-2 ** 63, 2 ** 63 - 1)
+
 # Every numeric setting's range, as (keys, test, what is allowed). NaN fails every test; inf fails
-# the finite ones. Bounds of the same kind share a row so the error wording stays uniform.
+# the finite ones. Bounds of the same kind share a row so the error wording stays uniform. `check_numbers`
+# then bounds every number of the config, listed here or not.
 RANGES = (
-    (("model.vocab_size", "model.d_model", "model.n_blocks", "model.n_heads", "model.dense_inter",
-      "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel", "model.kda.chunk_size",
+    (("model.n_blocks",),
+     lambda v: 0 < v <= MAX_BLOCKS, f"must be in [1, {MAX_BLOCKS}] (transformer blocks; the deepest released models "
+                                    "have about 128)"),
+    (("model.kda.chunk_size",),
+     lambda v: 0 < v <= MAX_KDA_CHUNK, f"must be in [1, {MAX_KDA_CHUNK}] tokens (KDA's chunkwise form holds "
+                                       "chunk_size^2 matrices per chunk; 64 is the default and fla's own)"),
+    (("seed",),
+     lambda v: 0 <= v <= MAX_SEED, f"must be an integer in [0, 2**63 - 1 = {MAX_SEED}]"),
+    (("model.vocab_size", "model.d_model", "model.n_heads", "model.dense_inter",
+      "model.mla_every", "model.kda.head_dim", "model.kda.conv_kernel",
       "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
       "model.moe.n_routed_experts", "model.moe.top_k", "model.moe.moe_inter", "variant.heads",
       "variant.streams", "train.steps", "train.seq_len", "train.micro_batch", "train.global_batch",
@@ -204,7 +230,7 @@ RANGES = (
     (("debug.sleep_s",),
      lambda v: 0 <= v < math.inf, "must be a finite number of seconds >= 0"),
     (("model.n_dense_layers", "model.mla.qk_rope_head_dim", "model.moe.n_shared_experts",
-      "train.warmup_steps", "seed"),
+      "train.warmup_steps"),
      lambda v: v >= 0, "must be >= 0"),
     (("model.moe.bias_update_rate", "model.moe.aux_loss_coef", "optim.weight_decay"),
      lambda v: 0 <= v < math.inf, "must be a finite number >= 0"),
@@ -361,7 +387,38 @@ def check_values(cfg: Config) -> Config:
                           "get no gradient to carry back; set parallel.pp_cache=false")
     _validate_throughput_options(cfg)
     _validate_retrofit_options(cfg)
+    check_numbers(cfg)
     return cfg
+
+
+def _numbers(value: object, key: str):
+    """(dotted key, number) of every int and float inside `value` (dataclasses, lists, mappings)."""
+    if dataclasses.is_dataclass(value):
+        for field_ in dataclasses.fields(value):
+            yield from _numbers(getattr(value, field_.name), f"{key}.{field_.name}" if key else field_.name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{key}.{index}")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _numbers(item, f"{key}.{name}")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield key, value
+
+
+def check_numbers(cfg: Config) -> None:
+    """The bounds every number of the config keeps, whatever its key (a key added later included), after the
+    key's own checks have had their say: a float is finite, an int fits 64 bits (torch, numpy and the
+    JSON a checkpoint records take no more), a duration (a key ending in _s) is at most MAX_DURATION_S."""
+    for key, value in _numbers(cfg, ""):
+        key = key.replace("model.residual.", "variant.", 1)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            raise ConfigError(f"{key}={value} does not fit a 64-bit integer; give a value in [-2**63, 2**63 - 1]")
+        if key.endswith("_s") and value > MAX_DURATION_S:
+            raise ConfigError(f"{key}={value!r} is longer than the {MAX_DURATION_S} seconds (7 days) any duration "
+                              "may be; give a number of seconds up to that")
 
 
 # -- lm_eval tasks during training (train.eval_tasks; trainer/downstream.py) ------------------------------
@@ -375,7 +432,7 @@ def _validate_eval_tasks(cfg: Config) -> None:
         raise ConfigError(f"train.eval_tasks_every={t.eval_tasks_every} must be a positive number of steps or null "
                           "(null: every train.eval_every steps)")
     limit = t.eval_tasks_limit
-    if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
+    if limit is not None and not (0 < limit < 1 or (1 <= limit < math.inf and limit == int(limit))):
         raise ConfigError(f"train.eval_tasks_limit={limit} must be a whole number >= 1 (examples per task), a "
                           "fraction in (0, 1), or null for all")
 
@@ -434,7 +491,46 @@ def validate_layout(cfg: Config, world_size: int) -> tuple[int, int]:
     problems = degrees.problems(cfg.model, t.seq_len, t.micro_batch, t.global_batch)
     if problems:
         raise ConfigError(problems[0])
+    problem = memory_problem(cfg, degrees)
+    if problem:
+        raise ConfigError(problem)
     return degrees.data_ranks, t.global_batch // (t.micro_batch * degrees.data_ranks)
+
+
+# Training state per parameter at the least: fp32 weights 4, fp32 gradients 4, AdamW's two fp32 moments 8
+# (parallel/memory_plan.py plans the rest: activations, autocast copies, gathered FSDP units).
+TRAINING_BYTES_PER_PARAMETER = 16
+GIB = 2 ** 30
+
+
+def host_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_problem(cfg: Config, degrees: Degrees) -> str | None:
+    """Why one rank of this layout cannot hold the model's training state, or None: a lower bound (every split
+    taken as even: tp over all but the routed experts, ep over those, pp and fsdp (x cp) over the rest) against
+    the memory it lives in, the GPU's on CUDA, else the host's. Counted from the config, before anything is
+    built, so an absurd size is one line rather than memory growing until the machine gives out."""
+    import torch
+
+    counts = config_counts(cfg.model)
+    shards = degrees.pp * (degrees.fsdp * degrees.cp if degrees.fsdp > 1 else 1)
+    per_rank = ((counts.total - counts.routed) / degrees.tp + counts.routed / degrees.ep) / shards
+    need = TRAINING_BYTES_PER_PARAMETER * per_rank
+    if torch.cuda.is_available():
+        have, where = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "GPU"
+    else:
+        have, where = host_memory(), "host"
+    if need <= have:
+        return None
+    m = cfg.model
+    return (f"model.d_model={m.d_model}, model.n_blocks={m.n_blocks}, model.vocab_size={m.vocab_size}: "
+            f"{counts.total:,} parameters, whose training state needs at least {need / GIB:,.1f} GiB per rank "
+            f"({TRAINING_BYTES_PER_PARAMETER} bytes a parameter, split over tp={degrees.tp}, ep={degrees.ep}, "
+            f"pp={degrees.pp}, fsdp={degrees.fsdp}), more than this {where}'s {have / GIB:,.1f} GiB; use a smaller "
+            "model or shard it further (parallel.fsdp, parallel.pp, parallel.tp, parallel.ep)")
 
 
 def _one_line(error: OmegaConfBaseException) -> str:

@@ -47,7 +47,7 @@ def load_trained(checkpoint_or_run: str | Path) -> TrainedRun:
     path = resolve_checkpoint(checkpoint_or_run)
     meta = verify_checkpoint(path)
     cfg = run_config(path, meta)
-    check_model_shapes(path, build_model(cfg, device="meta"))
+    check_model_shapes(path, cfg.model)
     model = build_model(cfg)
     load_checkpoint(path, model, [], None, rank=0, verify=False)
     return TrainedRun(path, meta, cfg, model.eval())

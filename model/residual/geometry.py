@@ -81,6 +81,15 @@ class DepthGeometry:
         n = self.blocks_done(sublayer - 1) + int(self.partial_open(sublayer - 1))
         return n if self.window is None else min(n, 1 + self.window)
 
+    def sources_read(self) -> int:
+        """n_sources summed over every read, the final one included, in closed form (a config is sized by it
+        before anything is built, however deep). With d = sublayer - 1 in 0..L a read sees
+        1 + min(ceil(d / S), window) sources; the sum over d of min(ceil(d / S), K) is K L - S K (K - 1) / 2,
+        with K the window capped at the ceil(L / S) depth blocks there are."""
+        size, done = self._size(), self.n_sublayers
+        k = -(-done // size) if self.window is None else min(self.window, -(-done // size))
+        return done + 1 + k * done - size * k * (k - 1) // 2
+
     # -- after the first `done` sublayers ------------------------------------------------------------
 
     def blocks_done(self, done: int) -> int:

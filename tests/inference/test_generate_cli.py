@@ -7,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,16 +201,37 @@ def edited_copy(export_dir, target, edit):
     return target
 
 
-def test_weights_that_do_not_match_the_config_are_refused(export_dir, tmp_path, capsys):
-    """strict loading: an export whose config.json (and fingerprint) describes another model fails in one line."""
-    def five_blocks(described):
-        described["config"]["model"]["n_blocks"] = 5
-        described["model_fingerprint"] = described["model_fingerprint"].replace("model.n_blocks=4", "model.n_blocks=5")
+def blocks(n: int):
+    """An edit of config.json to n transformer blocks, its fingerprint recomputed to match (a forgery, not damage)."""
+    def edit(described):
+        described["config"]["model"]["n_blocks"] = n
+        described["model_fingerprint"] = described["model_fingerprint"].replace("model.n_blocks=4", f"model.n_blocks={n}")
+    return edit
 
-    altered = edited_copy(export_dir, tmp_path / "altered", five_blocks)
+
+@pytest.mark.parametrize("n_blocks, built", [(5, "1,120,070"), (1024, "237,933,980")])
+def test_weights_that_do_not_match_the_config_are_refused_before_the_model_is_built(export_dir, tmp_path, capsys,
+                                                                                  n_blocks, built):
+    """An export whose config.json (and fingerprint) describes another model fails in one line, sized from the
+    weights file's header and the config alone: 1024 blocks took 4 s to build even on the meta device."""
+    altered = edited_copy(export_dir, tmp_path / "altered", blocks(n_blocks))
+    start = time.perf_counter()
     err = cli_error(capsys, main, [f"model={altered}", "prompt=the king", "max_new_tokens=1"])
-    assert err.startswith(f"error: {altered / 'model.safetensors'} does not match the model of config.json "
-                          "(missing: layers.4.")
+    assert time.perf_counter() - start < 2
+    assert err == (f"error: {altered / 'model.safetensors'} holds 917,090 weights but {altered / 'config.json'} builds "
+                   f"a model of {built} (model.n_blocks={n_blocks}, model.d_model=96); restore config.json or re-export "
+                   "with inference.export")
+
+
+def test_a_million_blocks_forged_into_config_json_are_refused_within_a_second(export_dir, tmp_path, capsys):
+    """The probe of issue 55: nothing was printed while memory grew 45 MB/s building a million blocks."""
+    forged = edited_copy(export_dir, tmp_path / "forged", blocks(1_000_000))
+    start = time.perf_counter()
+    err = cli_error(capsys, main, [f"model={forged}", "prompt=the king", "max_new_tokens=1"])
+    assert time.perf_counter() - start < 1
+    assert err == (f"error: {forged / 'config.json'} is not a config of this trainer (model.n_blocks=1000000 must be "
+                   "in [1, 1024] (transformer blocks; the deepest released models have about 128)); re-export with "
+                   "this version")
 
 
 def test_a_config_edited_after_export_is_refused_by_its_fingerprint(export_dir, tmp_path, capsys):

@@ -1,4 +1,9 @@
 """Every model x variant composes; bad values fail with one line naming key, value and what is allowed."""
+import dataclasses
+import json
+import math
+import time
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -8,8 +13,9 @@ from kernels.select import triton_refusal
 from model import build_model
 from model.params import count_parameters
 from model.residual import DepthGeometry
-from parallel.dims import resolve_precision
-from trainer.config import CONFIG_DIR, ConfigError, load_config
+from parallel.dims import Degrees, resolve_precision
+from trainer.config import (CONFIG_DIR, ConfigError, config_from_saved, host_memory, load_config, memory_problem,
+                            validate_layout)
 
 MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
 VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
@@ -76,7 +82,24 @@ def test_keys_missing_from_a_preset_file_still_override(overrides, expected):
     ("optim.eps=0", "optim.eps=0.0 must be a positive finite number"),
     ("++model.init_std=-0.02", "model.init_std=-0.02 must be a positive finite number"),
     ("model.moe.bias_update_rate=-1e-2", "model.moe.bias_update_rate=-0.01 must be a finite number >= 0"),
-    ("seed=-1", "seed=-1 must be >= 0"),
+    ("seed=-1", "seed=-1 must be an integer in [0, 2**63 - 1 = 9223372036854775807]"),
+    ("seed=100000000000000000000000", "seed=100000000000000000000000 must be an integer in [0, 2**63 - 1"),
+    ("seed=1e23", "seed: Value '1e+23' of type 'float' could not be converted to Integer"),
+    ("model.n_blocks=10000000", "model.n_blocks=10000000 must be in [1, 1024] (transformer blocks"),
+    ("model.n_blocks=1e7", "model.n_blocks=1e7 Value '10000000.0' of type 'float' could not be converted to Integer"),
+    ("model.kda.chunk_size=100000", "model.kda.chunk_size=100000 must be in [1, 1024] tokens"),
+    # Every number, whatever its key: finite, within 64 bits, a duration (*_s) at most 7 days.
+    ("parallel.init_timeout_s=1e15", "parallel.init_timeout_s=1000000000000000.0 is longer than the 604800 seconds "
+                                     "(7 days) any duration may be"),
+    ("parallel.collective_timeout_s=1e15", "parallel.collective_timeout_s=1000000000000000.0 is longer than the "
+                                           "604800 seconds"),
+    ("train.hang_after_s=604801", "train.hang_after_s=604801.0 is longer than the 604800 seconds"),
+    ("debug.sleep_s=1e300", "debug.sleep_s=1e+300 is longer than the 604800 seconds"),
+    ("train.steps=100000000000000000000000", "train.steps=100000000000000000000000 does not fit a 64-bit integer; "
+                                             "give a value in [-2**63, 2**63 - 1]"),
+    ("debug.crash_at_step=100000000000000000000000", "debug.crash_at_step=100000000000000000000000 does not fit"),
+    ("debug.nan_loss_steps=[3,100000000000000000000000]", "debug.nan_loss_steps.1=100000000000000000000000 does not "
+                                                          "fit a 64-bit integer"),
     ("++parallel.ep=0", "parallel.ep=0 must be positive"),
     ("train.precision=fp16", "train.precision='fp16' is not valid; allowed: auto | bf16 | fp32"),
     # An empty path would be the current directory (issue 24, cause 2).
@@ -91,6 +114,9 @@ def test_keys_missing_from_a_preset_file_still_override(overrides, expected):
     ("train.eval_tasks_every=0", "train.eval_tasks_every=0 must be a positive number of steps or null"),
     ("train.eval_tasks_limit=2.5", "train.eval_tasks_limit=2.5 must be a whole number >= 1 (examples per task), a "
                                    "fraction in (0, 1), or null"),
+    ("train.eval_tasks_limit=inf", "train.eval_tasks_limit=inf must be a whole number >= 1 (examples per task), a "
+                                   "fraction in (0, 1), or null"),
+    ("train.eval_tasks_limit=nan", "train.eval_tasks_limit=nan must be a whole number >= 1"),
 ])
 def test_invalid_value_fails_with_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as error:
@@ -156,3 +182,60 @@ def test_model_returns_logits_of_vocab_width():
     cfg = load_config(["model=xs"])
     logits = build_model(cfg)(torch.randint(0, cfg.model.vocab_size, (2, 5)))
     assert logits.shape == (2, 5, cfg.model.vocab_size)
+
+
+@pytest.mark.parametrize("override", ["model.n_blocks=10000000", "model.n_blocks=1e7"])
+def test_ten_million_blocks_are_refused_within_a_second(override):
+    """Refused by value, before any block is built (3.6 ms a block even on the meta device: ten hours)."""
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as error:
+        load_config([override])
+    assert time.perf_counter() - start < 2
+    assert "model.n_blocks" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("train", "eval_tasks_limit", math.inf), ("train", "eval_tasks_limit", math.nan),
+    ("train", "hang_after_s", 1e15), ("parallel", "init_timeout_s", 1e15), ("seed", None, 10 ** 23),
+    ("train", "peak_tflops", math.inf), ("debug", "sleep_rank", 2 ** 64), ("model", "n_blocks", 1_000_000),
+])
+def test_a_saved_config_out_of_range_is_a_config_error_naming_the_key(section, key, value):
+    """A checkpoint's meta.json or an export's config.json is read by config_from_saved: every bad value is a
+    ConfigError (resume=auto falls back past it), never an OverflowError from deep inside a check."""
+    saved = json.loads(json.dumps(dataclasses.asdict(load_config())))  # as a run writes and reads it back
+    if key is None:
+        saved[section] = value
+    else:
+        saved[section][key] = value
+    with pytest.raises(ConfigError) as error:
+        config_from_saved(saved)
+    assert f"{key or section}=" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_model_beyond_this_machines_memory_is_refused_at_once():
+    """model.d_model=100000000 on one process: 7.6 trillion parameters to materialise whole, beyond any machine;
+    refused by its count, built from nothing."""
+    cfg = load_config(["model.d_model=100000000"])
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as error:
+        validate_layout(cfg, 1)
+    assert time.perf_counter() - start < 1
+    assert str(error.value).startswith("model.d_model=100000000, model.n_blocks=8, model.vocab_size=8192: "
+                                       "7,581,100,284,312 parameters, whose training state needs at least 112,967.2 "
+                                       "GiB per rank (16 bytes a parameter, split over tp=1, ep=1, pp=1, fsdp=1), more "
+                                       "than this ")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and host_memory() >= 733 * 2 ** 30,
+                    reason="this host holds the 48B model's training state whole")
+def test_the_48b_model_is_refused_whole_and_accepted_sharded():
+    """The per-rank bound divides by the layout's sharding: Kimi Linear 48B on one process needs 732 GiB, more
+    than a GPU or a usual host has, while 256 ranks (fsdp 8 x pp 4 x dp 8, ep 8) need about 3.7 GiB each."""
+    whole = load_config(["model=kimi_linear_48b"])
+    with pytest.raises(ConfigError, match=r"49,123,010,432 parameters, whose training state needs at least 732\.0 GiB"):
+        validate_layout(whole, 1)
+    sharded = load_config(["model=kimi_linear_48b", "parallel.fsdp=8", "parallel.pp=4", "parallel.ep=8",
+                           "parallel.schedule=1f1b", "train.micro_batch=1", "train.global_batch=64"])
+    assert memory_problem(sharded, Degrees.of(sharded.parallel, 256)) is None
+    assert validate_layout(sharded, 256) == (64, 1)

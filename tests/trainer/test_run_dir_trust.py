@@ -5,6 +5,7 @@ corruption (skip and fall back), an edited one a one-line refusal, never a trace
 import hashlib
 import json
 import shutil
+import time
 
 import pytest
 
@@ -163,6 +164,16 @@ def test_damage_to_meta_json_is_corruption_and_resume_falls_back(run, tiny_datas
     (lambda m: m["config"]["train"].update(steps="abc"), "holds a config this trainer refuses"),
     (lambda m: m["config"]["optim"].update(lr=-1.0), "holds a config this trainer refuses (optim.lr=-1.0 must be "
                                                      "a positive finite number)"),
+    # Values that raised OverflowError from inside the checks, which resume=auto did not fall back past.
+    (lambda m: m["config"]["train"].update(eval_tasks_limit=float("inf")),
+     "holds a config this trainer refuses (train.eval_tasks_limit=inf must be a whole number >= 1"),
+    (lambda m: m["config"].update(seed=10 ** 23), "holds a config this trainer refuses (seed=100000000000000000000000 "
+                                                  "must be an integer in [0, 2**63 - 1"),
+    (lambda m: m["config"]["parallel"].update(collective_timeout_s=1e15),
+     "holds a config this trainer refuses (parallel.collective_timeout_s=1000000000000000.0 is longer than the "
+     "604800 seconds (7 days)"),
+    (lambda m: m["config"]["model"].update(n_blocks=1_000_000),
+     "holds a config this trainer refuses (model.n_blocks=1000000 must be in [1, 1024]"),
 ])
 def test_an_edited_meta_json_is_refused_in_one_line(run, change, problem):
     path = checkpoint(run, 6)
@@ -173,13 +184,22 @@ def test_an_edited_meta_json_is_refused_in_one_line(run, change, problem):
     assert newest_verified_checkpoint(run)[0] == checkpoint(run, 5)
 
 
-def test_a_config_larger_than_the_weights_is_refused_before_the_model_is_allocated(run):
+@pytest.mark.parametrize("change, built", [
+    (lambda m: m["config"]["model"].update(vocab_size=2 ** 45), "6,755,399,441,874,530 weights (model.n_blocks=4, "
+                                                                "model.d_model=96)"),  # 13 PB of fp32
+    (lambda m: m["config"]["model"].update(n_blocks=1024), "237,933,980 weights (model.n_blocks=1024, model.d_model=96)"),
+])
+def test_a_config_larger_than_the_weights_is_refused_before_the_model_is_built(run, change, built):
+    """Sized from the config and the checkpoint's .metadata alone, before anything is built: 1024 blocks took 4 s
+    to build even on the meta device (a million, about an hour, had n_blocks no bound)."""
     path = checkpoint(run, 6)
-    edit_json(path / "meta.json", lambda m: m["config"]["model"].update(vocab_size=2 ** 45))  # 13 PB of fp32
+    edit_json(path / "meta.json", change)
+    start = time.perf_counter()
     with pytest.raises(CheckpointError) as refused:
         load_trained(path)
-    assert one_line(refused) == (f"checkpoint {path}: the config in its meta.json builds embed.weight of shape "
-                                 f"[{2 ** 45}, 96], the checkpoint holds [512, 96]")
+    assert time.perf_counter() - start < 2
+    assert one_line(refused) == (f"checkpoint {path}: the config in its meta.json builds a model of {built}, the "
+                                 "checkpoint holds 917,090")
 
 
 def rewrite_extra(path, change=None, text=None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import shutil
 import warnings
@@ -49,7 +50,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from model import build_model
 from model.config import ModelConfig
+from model.params import config_counts
 from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
 from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
@@ -487,16 +490,24 @@ def _read_extra(path: Path, meta: dict, rank: int) -> dict:
         raise CheckpointError(f"checkpoint {path}: {name} could not be read ({error})") from None
 
 
-def check_model_shapes(path: str | Path, model: nn.Module) -> None:
-    """Raise a one-line CheckpointError unless every tensor of `model` (built on the meta device from the
-    checkpoint's config, so nothing is allocated yet) has the shape the checkpoint's .metadata records:
-    a model is sized by meta.json's config only after the weights have confirmed it."""
+def check_model_shapes(path: str | Path, model_cfg: ModelConfig) -> None:
+    """Raise a one-line CheckpointError unless the model meta.json's config builds is the one the checkpoint's
+    .metadata records: first its size, counted from the config alone (a config edited to a far larger model
+    is refused before anything is built), then every tensor's shape on the model built on the meta device
+    (nothing allocated). A model is sized by meta.json's config only after the weights have confirmed it."""
     path = Path(path)
     try:
         recorded = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:
         raise CheckpointError(f"checkpoint {path}: {DCP_METADATA} could not be read ({_one_line(error)})") from None
-    for name, tensor in model.state_dict().items():
+    held = sum(math.prod(entry.size) for key, entry in recorded.items()
+               if key.startswith("model.") and hasattr(entry, "size"))
+    built = config_counts(model_cfg).state
+    if held != built:
+        raise CheckpointError(f"checkpoint {path}: the config in its {META_FILE} builds a model of {built:,} weights "
+                              f"(model.n_blocks={model_cfg.n_blocks}, model.d_model={model_cfg.d_model}), the "
+                              f"checkpoint holds {held:,}")
+    for name, tensor in build_model(model_cfg, device="meta").state_dict().items():
         saved = getattr(recorded.get(f"model.{name}"), "size", None)
         if saved is None:
             raise CheckpointError(f"checkpoint {path} holds no weight {name}, which the config in its {META_FILE} "

@@ -1,0 +1,83 @@
+"""config_counts: the size of the model a config builds, counted without building it, equal to the built
+model's own count for every model, variant and option, and as fast for 10 million blocks as for 4."""
+import time
+
+import pytest
+
+from model import build_model
+from model.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, ResidualConfig
+from model.params import config_counts, count_parameters
+from model.residual import DepthGeometry
+from trainer.config import CONFIG_DIR, load_config
+
+MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
+VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
+
+
+def built_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(total, active, state-dict elements) of the model built on the meta device."""
+    model = build_model(cfg, device="meta")
+    counts = count_parameters(model)
+    return counts["total"], counts["active"], sum(t.numel() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_preset_counts_as_built(model, variant):
+    cfg = load_config([f"model={model}", f"variant={variant}"]).model
+    counts = config_counts(cfg)
+    assert (counts.total, counts.active, counts.state) == built_counts(cfg)
+
+
+RESIDUAL_OPTIONS = [
+    {"variant": "baseline"}, {"variant": "highway"}, {"variant": "highway", "gate": "elementwise"}, {"variant": "x0"},
+    {"variant": "mhc", "streams": 2}, {"variant": "hc", "streams": 3}, {"variant": "full"},
+    {"variant": "block", "block_size": 3}, {"variant": "full", "mixing": "static"},
+    {"variant": "full", "mixing": "scalars", "window": 2}, {"variant": "block", "mixing": "static", "block_size": 3,
+                                                            "window": 1},
+    {"variant": "block", "mixing": "scalars", "block_size": 100}, {"variant": "full", "heads": 2, "window": 5},
+    {"variant": "block", "query": "input_dependent", "key_norm": False},
+]
+# (n_blocks, n_dense_layers, mla_every, n_shared_experts): MLA every block, none but the last, all dense, no MoE.
+SHAPES = [(1, 1, 4, 1), (5, 0, 2, 0), (7, 3, 3, 2), (4, 4, 1, 1), (6, 0, 10, 1)]
+
+
+@pytest.mark.parametrize("residual", RESIDUAL_OPTIONS, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_residual_option_and_block_mix_counts_as_built(residual, shape):
+    n_blocks, dense, mla_every, shared = shape
+    cfg = ModelConfig(vocab_size=37, d_model=24, n_blocks=n_blocks, n_heads=2, dense_inter=20, n_dense_layers=dense,
+                      mla_every=mla_every, kda=KDAConfig(head_dim=6, conv_kernel=3),
+                      mla=MLAConfig(kv_lora_rank=10, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=5),
+                      moe=MoEConfig(n_routed_experts=5, top_k=2, moe_inter=7, n_shared_experts=shared),
+                      residual=ResidualConfig(**residual))
+    counts = config_counts(cfg)
+    assert (counts.total, counts.active, counts.state) == built_counts(cfg)
+    assert counts.routed == sum(p.numel() for name, p in build_model(cfg, device="meta").named_parameters()
+                                if ".mlp.w_" in name)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+@pytest.mark.parametrize("window", [None, 1, 2, 7])
+def test_sources_read_is_the_sum_of_every_reads_sources(size, window):
+    for sublayers in range(1, 24):
+        geometry = DepthGeometry(sublayers, size, False, window)
+        assert geometry.sources_read() == sum(geometry.n_sources(s) for s in range(1, sublayers + 2))
+
+
+def test_ten_million_blocks_count_in_a_millisecond():
+    """What makes a forged n_blocks refusable before anything is built: the count does not loop over blocks."""
+    cfg = ModelConfig(n_blocks=10_000_000, residual=ResidualConfig(variant="full", mixing="scalars"))
+    start = time.perf_counter()
+    counts = config_counts(cfg)
+    assert time.perf_counter() - start < 1e-3
+    small = ModelConfig(n_blocks=8, residual=ResidualConfig(variant="full", mixing="scalars"))
+    assert counts.total > 1e6 * config_counts(small).total / 8  # Full's scalars grow as blocks squared
+    assert counts.total == pytest.approx(config_counts(ModelConfig(n_blocks=10_000_000)).total
+                                         + 2 * 10_000_000 ** 2, rel=0.01)
+
+
+def test_a_size_beyond_any_memory_still_counts_exactly():
+    """Plain integers, no tensors: 2**45 vocabulary entries (13 PB of fp32) count like 8192."""
+    difference = config_counts(ModelConfig(vocab_size=2 ** 45)).total - config_counts(ModelConfig()).total
+    assert difference == 2 * (2 ** 45 - 8192) * 256  # embedding and head rows of d_model=256
