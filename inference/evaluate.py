@@ -26,15 +26,21 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
   include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here). A
                     YAML there may run Python (`!function module.name` imports module.py from its
                     directory): a directory whose YAMLs (or the files they include) hold any tag but plain
-                    data's (str, int, map, ...), or do not parse, is refused unless allow_task_code=true
-  allow_task_code=false  true: run the Python that include_path's task YAMLs name (only for code you trust)
+                    data's (str, int, map, ...), or do not parse, is refused unless allow_task_code=true.
+                    Task templates (doc_to_text, doc_to_target, ...) render in jinja2's sandbox unless
+                    allow_task_code=true: one that reaches for Python internals stops the run
+  allow_task_code=false  true: run the Python that include_path's task YAMLs name, and render every task's
+                    templates outside the sandbox (only for code you trust)
   device=auto       auto (cuda when available), cpu, cuda or cuda:N
   tokenizer=        tokenizer.json to use instead of the one in the export directory
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import math
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +68,7 @@ TASK_YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoade
 DATA_TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag) | {"tag:yaml.org,2002:merge"}
 YAML_SUFFIXES = (".yaml", ".yml")
 TRUST_HINT = "pass allow_task_code=true only if you trust that directory's code"
+TEMPLATE_SHOWN = 80  # characters of a refused template the error line quotes
 PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
 
 
@@ -235,6 +242,70 @@ def included_files(yaml_file: Path, data) -> list[Path]:
     return found
 
 
+@contextlib.contextmanager
+def sandboxed_templates(manager):
+    """lm_eval renders task templates (doc_to_text, doc_to_target, doc_to_choice, ...) with lm_eval.utils.env,
+    a plain jinja2 Environment, in which a tag-free YAML's `{{ self.__init__.__globals__ ... }}` reaches
+    `__import__`. For the evaluation that env is a sandbox made like it; a template that reaches for Python
+    internals then stops the run with one line naming its task (`manager` knows the task's YAML)."""
+    import lm_eval.utils
+    from jinja2.exceptions import SecurityError
+
+    original = lm_eval.utils.env
+    # apply_template, through which every task template renders, looks env up at each call and keeps no
+    # compiled template, so rebinding the module's name reaches it. (env's one other user, RemoteTokenizer,
+    # compiles the chat template of lm_eval's API models, which this model is not.)
+    lm_eval.utils.env = sandbox_like(original)
+    try:
+        yield
+    except SecurityError as error:
+        raise EvaluateError(template_refusal(error, manager)) from None
+    finally:
+        lm_eval.utils.env = original
+
+
+def sandbox_like(env):
+    """An ImmutableSandboxedEnvironment that renders what `env` renders: its settings, and the filters, tests
+    and globals it holds beyond jinja2's defaults (lm_eval's regex_replace). jinja2's default globals stay
+    the sandbox's own: its `range` is the bounded one."""
+    from jinja2 import Environment
+    from jinja2.defaults import DEFAULT_FILTERS, DEFAULT_NAMESPACE, DEFAULT_TESTS
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # Environment keeps each of its arguments under the argument's name, but for these three.
+    settings = {name: getattr(env, name) for name in inspect.signature(Environment).parameters
+                if name not in ("extensions", "cache_size", "enable_async")}
+    sandbox = ImmutableSandboxedEnvironment(**settings, extensions=list(env.extensions), enable_async=env.is_async)
+    for added, given, defaults in ((sandbox.filters, env.filters, DEFAULT_FILTERS),
+                                   (sandbox.tests, env.tests, DEFAULT_TESTS),
+                                   (sandbox.globals, env.globals, DEFAULT_NAMESPACE)):
+        added.update({name: value for name, value in given.items() if defaults.get(name) is not value})
+    sandbox.policies.update(env.policies)
+    return sandbox
+
+
+def template_refusal(error, manager) -> str:
+    """The one line for a template the sandbox refused: its task and the task's YAML (from the innermost lm_eval
+    Task whose method was rendering) and the template (apply_template's argument), read off the traceback."""
+    import lm_eval.utils
+    from lm_eval.api.task import Task
+
+    task, template = None, None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if isinstance(frame.f_locals.get("self"), Task):
+            task = frame.f_locals["self"].config.task
+        if frame.f_code is lm_eval.utils.apply_template.__code__:
+            template = " ".join(frame.f_locals["template"].split())
+    entry = manager.task_index.get(task)
+    where = f"task {task}" if task else "a task"  # a template lm_eval rendered outside a task's method
+    if entry is not None and entry.yaml_path is not None:
+        where += f" ({entry.yaml_path})"
+    if template is not None:
+        where += f": its template {template[:TEMPLATE_SHOWN] + '...' * (len(template) > TEMPLATE_SHOWN)!r}"
+    return (f"{where} tried to reach Python internals (SecurityError: {' '.join(str(error).split())}); "
+            f"{TRUST_HINT}")
+
+
 @torch.no_grad()
 def dataset_perplexity(lm: AttnResLM, samples: BlendSamples, cfg: Config, batch_size: int) -> dict:
     """Mean loss over every validation sample of train.seq_len predictions (the trainer's validation samples,
@@ -293,7 +364,8 @@ def run(args: EvaluateArgs) -> str:
 
     lm = ExportedAttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
                    device=device)
-    tasks = run_tasks(lm, task_names, manager, limit, args.num_fewshot) if task_names else {}
+    with contextlib.nullcontext() if args.allow_task_code else sandboxed_templates(manager):
+        tasks = run_tasks(lm, task_names, manager, limit, args.num_fewshot) if task_names else {}
     perplexity = {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()}
     report = {"export": str(export_dir.resolve()), "step": read_export_config(export_dir).get("step"),
               "tasks": tasks, "perplexity": perplexity,

@@ -392,3 +392,102 @@ def test_a_task_of_plain_data_passes_and_lm_eval_indexes_it(tmp_path):
 def test_help_prints_the_usage(capsys):
     main(["--help"])
     assert "python -m inference.evaluate model=EXPORT_DIR" in capsys.readouterr().out
+
+
+# A tag-free task whose prompt template walks from jinja2's `self` to Python's builtins and leaves a marker file.
+REACHING_TEMPLATE = "{{{{ self.__init__.__globals__.__builtins__.open({marker!r}, 'w').close() }}}} {{{{ text }}}}"
+
+
+def plain_data_task(tmp_path, doc_to_text: str) -> Path:
+    """A directory holding one task of plain data (passes check_include_path) over a two-line JSON file."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text('{"text": "the king"}\n{"text": "the queen"}\n')
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({
+        "task": "mine", "dataset_path": "json", "output_type": "loglikelihood_rolling", "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(tasks / "docs.jsonl")}, "cache_dir": str(tmp_path / "hf")},
+        "doc_to_text": doc_to_text, "doc_to_target": "text",
+        "metric_list": [{"metric": "word_perplexity", "aggregation": "weighted_perplexity",
+                         "higher_is_better": False}]}))
+    return tasks
+
+
+def test_a_template_reaching_python_is_refused_unless_task_code_is_allowed(export_dir, tmp_path, capsys):
+    """No YAML tag runs code here: lm_eval's plain jinja2 environment would, and the sandbox stops it. The
+    allowed run after the refusal also shows the refusal left lm_eval's own environment in place."""
+    marker = tmp_path / "ran"
+    template = REACHING_TEMPLATE.format(marker=str(marker))
+    tasks = plain_data_task(tmp_path, template)
+    argv = [f"model={export_dir}", "tasks=mine", f"include_path={tasks}", "limit=1", "batch_size=2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the datasets library's progress bar
+    shown = " ".join(template.split())[:inference.evaluate.TEMPLATE_SHOWN] + "..."
+    assert err == (f"error: task mine ({tasks / 'mine.yaml'}): its template {shown!r} tried to reach Python "
+                   "internals (SecurityError: access to attribute '__init__' of 'TemplateReference' object is "
+                   "unsafe.); pass allow_task_code=true only if you trust that directory's code")
+    assert not marker.exists()
+    main(argv + ["allow_task_code=true"])
+    assert marker.exists()
+    assert "word_perplexity" in capsys.readouterr().out
+
+
+def local_task_requests() -> dict:
+    """Every request lm_eval builds for the repository's tasks: the prompts and continuations a model scores."""
+    names = ["attnres_mc_words", "attnres_gen_words", "attnres_text"]
+    requests = {}
+    for name, task in task_manager_for(names, inference.evaluate.LOCAL_TASKS).load(names)["tasks"].items():
+        task.build_all_requests()
+        requests[name] = [instance.arguments for instance in task.instances]
+    return requests
+
+
+def test_the_repositorys_tasks_build_the_same_requests_in_the_sandbox():
+    import lm_eval.utils
+
+    plain_env, plain = lm_eval.utils.env, local_task_requests()
+    with inference.evaluate.sandboxed_templates(task_manager_for([], inference.evaluate.LOCAL_TASKS)):
+        assert lm_eval.utils.env is not plain_env
+        sandboxed = local_task_requests()
+    assert lm_eval.utils.env is plain_env
+    assert sandboxed == plain
+    # Both choices of each multiple-choice question; a generation prompt per word pattern; a text per line.
+    assert {name: len(requests) for name, requests in plain.items()} == {"attnres_mc_words": 2 * 20,
+                                                                         "attnres_gen_words": 10, "attnres_text": 4}
+    assert plain["attnres_mc_words"][:2] == [("The king", " and the queen speak of love."),
+                                             ("The king", " nad teh neueq epaks fo eolv.")]
+
+
+# Templates in the idioms of lm_eval's own tasks (arc, lambada_cloze, the lettered-choices prompts), lm_eval's
+# regex_replace filter, and a trailing newline (lm_eval's env keeps it), with what each renders.
+LM_EVAL_TEMPLATES = [
+    ("Question: {{question}}\nAnswer:", {"question": "Who hath the crown?"}, "Question: Who hath the crown?\nAnswer:"),
+    ("{{text.split(' ')[:-1]|join(' ')}} ____. ->", {"text": "the king and the queen"}, "the king and the ____. ->"),
+    ("{{choices.label.index(answerKey)}}", {"choices": {"label": ["A", "B", "C"]}, "answerKey": "C"}, "2"),
+    ("{% for i in range(choices|length) %}{{ 'ABCD'[i] }}. {{ choices[i] | upper }}\n{% endfor %}",
+     {"choices": ["love", "death"]}, "A. LOVE\nB. DEATH\n"),
+    ("{{ text | regex_replace(' +', ' ') | trim }}\n", {"text": "  thou   art "}, "thou art\n"),
+    ("{{ '{} of {}'.format(a, b) }}", {"a": "lord", "b": "night"}, "lord of night"),
+]
+
+
+@pytest.mark.parametrize("template, doc, rendered", LM_EVAL_TEMPLATES)
+def test_the_sandbox_renders_what_lm_evals_environment_renders(template, doc, rendered):
+    from lm_eval.utils import apply_template
+
+    assert apply_template(template, doc) == rendered
+    with inference.evaluate.sandboxed_templates(task_manager_for([], inference.evaluate.LOCAL_TASKS)):
+        assert apply_template(template, doc) == rendered
+
+
+def test_a_missing_field_is_an_error_in_the_sandbox_as_in_lm_evals_environment():
+    """lm_eval's StrictUndefined: a template naming a field the document lacks fails rather than render ''."""
+    from jinja2.exceptions import UndefinedError
+    from lm_eval.utils import apply_template
+
+    with pytest.raises(UndefinedError, match="'answer' is undefined"):
+        apply_template("{{ question }} {{ answer }}", {"question": "Who?"})
+    with inference.evaluate.sandboxed_templates(task_manager_for([], inference.evaluate.LOCAL_TASKS)):
+        with pytest.raises(UndefinedError, match="'answer' is undefined"):
+            apply_template("{{ question }} {{ answer }}", {"question": "Who?"})
