@@ -18,7 +18,9 @@ format=native writes, all at once (a temporary directory renamed into place, so 
                          records the step and the trained context (train.seq_len)
   out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
   out/tokenizer.json     a copy of the run's tokenizer, when the run has one (a regular file: a symlink
-                         is refused, so a link planted in a run cannot copy its target into the export)
+                         is refused, so a link planted in a run cannot copy its target into the export);
+                         the run is the one the checkpoint lies in once links are resolved, and a tokenizer
+                         other than the one the checkpoint's meta.json records (tokenizer_sha256) is refused
 `python -m inference.generate model=out prompt=...` then loads only these files, and refuses a config.json
 that no longer matches its model_fingerprint or the context recorded in model.safetensors.
 """
@@ -44,6 +46,8 @@ from safetensors.torch import load_file, save_file
 from model.config import ModelConfig
 from model.params import config_counts
 from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from trainer.run_dir.safe_io import LinkedPathError, check_still, held_path, open_dir
+from trainer.data.format import sha256_file
 from inference.hf.export import write_hf_export
 from trainer.trained import load_trained
 from trainer.weights import WeightsError, check_finite, is_hf_export
@@ -153,14 +157,22 @@ def check_format(format: str, max_shard_size: str) -> None:
                           "with KB, MB or GB (5GB)")
 
 
-def _check_tokenizer(tokenizer: Path) -> None:
+def _check_tokenizer(tokenizer: Path, meta: dict) -> None:
     """The run's tokenizer.json is copied only when it is a regular file: a symlink would copy whatever it
-    points at (a key, a password file) into an export meant to be shared."""
+    points at (a key, a password file) into an export meant to be shared. A checkpoint that records the
+    sha256 of the tokenizer it was trained with gets that one or none: another would encode text into ids
+    the model never learnt."""
     if tokenizer.is_symlink():
         raise ExportError(f"{tokenizer} is a symlink (to {os.readlink(tokenizer)}); export copies only regular "
                           "files: replace the link with a copy of the tokenizer")
     if tokenizer.exists() and not tokenizer.is_file():
         raise ExportError(f"{tokenizer} is not a regular file; export copies only a regular tokenizer.json")
+    recorded = meta.get("tokenizer_sha256")
+    found = sha256_file(tokenizer) if recorded is not None and tokenizer.is_file() else recorded
+    if found != recorded:
+        raise ExportError(f"{tokenizer} is not the tokenizer this checkpoint was trained with (its sha256 is "
+                          f"{found}, meta.json records {recorded}); put the run's own tokenizer.json back, or "
+                          "export from the run directory it was trained in")
 
 
 def _copy_regular_file(source: Path, target: Path) -> None:
@@ -176,19 +188,26 @@ def _copy_regular_file(source: Path, target: Path) -> None:
             shutil.copyfileobj(reader, writer)
 
 
-def _make_tmp(out: Path) -> Path:
+def _make_tmp(out: Path) -> tuple[Path, int]:
+    """The temporary directory beside out, and a descriptor holding it (safe_io.open_dir): the export is
+    written through its held_path, so a link planted at its name meanwhile receives nothing."""
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    except OSError as error:
+        return tmp, open_dir(out.parent, tmp.name)
+    except (OSError, LinkedPathError) as error:
         raise ExportError(f"out={out} cannot be written ({error})") from None
-    return tmp
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an export being replaced is moved aside first, so out is never half-written."""
+def _put_in_place(tmp: Path, held: Path, out: Path) -> None:
+    """Rename tmp, the directory `held` holds, to out; an export being replaced is moved aside first, so out
+    is never half-written."""
+    try:
+        check_still(held, tmp, tmp)
+    except LinkedPathError as error:
+        raise ExportError(f"out={out} was not written: {error}") from None
     old = out.with_name(f".old-{out.name}-{os.getpid()}")
     if out.exists():
         out.rename(old)
@@ -201,11 +220,12 @@ def _put_in_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(tmp: Path, out: Path, write_files) -> str:
-    """write_files(tmp), then tmp renamed into place as out; returns what write_files says it wrote."""
+def _write(tmp: Path, held: Path, out: Path, write_files) -> str:
+    """write_files(held), then tmp (which `held` holds) renamed into place as out; returns what write_files
+    says it wrote."""
     try:
-        written = write_files(tmp)
-        _put_in_place(tmp, out)
+        written = write_files(held)
+        _put_in_place(tmp, held, out)
         return written
     except OSError as error:
         raise ExportError(f"out={out} cannot be written ({error})") from None
@@ -233,21 +253,25 @@ def export(checkpoint: str, out: str, overwrite: bool = False, format: str = "na
            max_shard_size: str = "5GB") -> str:
     """Write the export of `checkpoint` to `out` in `format`; returns the one-line summary."""
     check_format(format, max_shard_size)
-    path = resolve_checkpoint(checkpoint)
+    # Resolved first: the run directory whose tokenizer.json goes with a linked step_N is the one it lies in,
+    # not the one beside the link.
+    path = resolve_checkpoint(Path(checkpoint).resolve())
     meta = read_meta(path)
     out_dir = Path(out)
     _check_out(out_dir, overwrite, format)
     tokenizer = run_dir_of(path) / TOKENIZER_FILE
-    _check_tokenizer(tokenizer)
-    tmp = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
+    _check_tokenizer(tokenizer, meta)
+    tmp, handle = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
+    held = held_path(handle)
     try:
         model = load_trained(path).model
         if format == "hf":
-            written = _write(tmp, out_dir, lambda into: _write_hf(into, model, meta, tokenizer, max_shard_size))
+            written = _write(tmp, held, out_dir, lambda into: _write_hf(into, model, meta, tokenizer, max_shard_size))
         else:
-            written = _write(tmp, out_dir, lambda into: _write_native(into, model, path, meta, tokenizer))
+            written = _write(tmp, held, out_dir, lambda into: _write_native(into, model, path, meta, tokenizer))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+        os.close(handle)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename; a link there is left
     parameters = sum(p.numel() for p in model.parameters())
     if tokenizer.is_file():
         note = ""

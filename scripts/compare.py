@@ -7,7 +7,8 @@
 
 Each run trains in this process into runs/<experiment>/<run>-s<seed>. A run whose newest checkpoint
 is at train.steps, or that finished.json records as finished, is skipped (so a finished run's checkpoints
-may be deleted to free disk); an unfinished one resumes (resume=auto). Under torchrun every rank
+may be deleted to free disk); an unfinished one resumes (resume=auto). A finished.json its checkpoints
+contradict is not believed (finished_at). Under torchrun every rank
 walks the same plan, so the runs train data-parallel. The report goes to reports/<experiment>/.
 Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only. A shard trains its
 share and writes no report: run the experiment once more without `shard` when every worker is done
@@ -27,9 +28,9 @@ from parallel.dims import init_distributed, shutdown
 from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
 from scripts.experiments import Evaluation, Experiment, load_experiment, split_overrides
 from scripts.report import build_report
-from scripts.report.runs import EVAL_FILE
+from scripts.report.runs import EVAL_FILE, read_jsonl
 from trainer.run_dir.checkpoint import STEP_DIR, latest_checkpoint
-from trainer.run_dir.finished import finished_step
+from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.config import ConfigError, load_config
 from inference.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
@@ -44,6 +45,23 @@ def completed_steps(run_dir: Path) -> int:
     # not a reason for the whole grid to stop.
     checkpoint = latest_checkpoint(run_dir)
     return int(STEP_DIR.fullmatch(checkpoint.name).group(1)) if checkpoint is not None else 0
+
+
+def finished_at(run_dir: Path, say) -> int:
+    """The step finished.json records, where the run's checkpoints agree: a run that still has checkpoints,
+    none of them at that step or later, and whose metrics.jsonl logs no row at it never trained that far
+    (a forged or misplaced finished.json) and is resumed, with one line saying so, instead of skipped. A run
+    with no checkpoint left is believed: finished.json is what outlives checkpoints deleted on purpose (and
+    where only the last one was deleted, its metrics still show the step)."""
+    finished, newest = finished_step(run_dir), completed_steps(run_dir)
+    if not finished or not newest or newest >= finished:
+        return finished
+    if any(isinstance(row, dict) and type(row.get("step")) is int and row["step"] == finished
+           for row in read_jsonl(run_dir / "metrics.jsonl")):
+        return finished
+    say(f"{run_dir}: {FINISHED_FILE} records step {finished}, but its newest checkpoint is at step {newest} and "
+        f"metrics.jsonl logs no step {finished}; not treated as finished")
+    return 0
 
 
 def refuse_to_retrain(run_dir: Path, steps: int) -> None:
@@ -92,7 +110,7 @@ def train_experiment(experiment: Experiment) -> list[Path]:
     for run, cfg in zip(mine, configs):
         refuse_to_retrain(run.run_dir, cfg.train.steps)
     for k, (run, cfg) in enumerate(zip(mine, configs), start=1):
-        done = max(completed_steps(run.run_dir), finished_step(run.run_dir))
+        done = max(completed_steps(run.run_dir), finished_at(run.run_dir, say))
         if done >= cfg.train.steps:
             say(f"{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
         else:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.run_dir.safe_io import write_file
+from trainer.run_dir.safe_io import LinkedPathError, write_file
 
 LEAST_DEFAULT_S = 300.0
 MEDIANS = 10
@@ -66,18 +66,21 @@ class HangWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > limit:
                 self.reported_step = step
-                path = self._dump(step)
+                try:
+                    stacks = f"the stacks of its threads are in {self._dump(step)}"
+                except LinkedPathError as error:  # reported: raised, it would end the watchdog in a traceback
+                    stacks = f"its stacks were not written: {error}"
                 self.report(f"hang: rank {self.rank}, step {step} has run {elapsed:.1f} s, more than {limit:.1f} s "
-                            f"(train.hang_after_s); the stacks of its threads are in {path}")
+                            f"(train.hang_after_s); {stacks}")
 
     def _dump(self, step: int) -> Path:
         """faulthandler writes through a file descriptor; the text then goes in with write_file (temp + rename,
-        never through a symlink)."""
+        never through a symlink), hang/ made and reached from the run directory (its parent) without following
+        a link planted since the start."""
         with tempfile.TemporaryFile() as scratch:
             faulthandler.dump_traceback(file=scratch, all_threads=True)
             scratch.seek(0)
             stacks = scratch.read()
-        self.hang_dir.mkdir(parents=True, exist_ok=True)
         path = self.hang_dir / f"rank{self.rank}_step{step}.txt"
-        write_file(path, stacks)
+        write_file(path, stacks, root=self.hang_dir.parent)
         return path

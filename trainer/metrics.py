@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.run_dir.safe_io import append_text, write_file
+from trainer.run_dir.safe_io import append_text, file_for_library, write_file
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -54,8 +54,8 @@ def _parse(line: str):
 def keep_rows_up_to(path: Path, last_step: int) -> list[str]:
     """Rewrite a JSON-lines file without the rows of steps after last_step (a resumed run logs them
     again) and without a truncated last line (a run killed mid-write); rows without a step stay.
-    The rewrite goes to a temporary file that replaces the original, so a failure leaves it whole.
-    Returns one line per thing dropped, for the log."""
+    The rewrite goes to a temporary file that replaces the original, so a failure leaves it whole, in the
+    file's own directory reached without following a link. Returns one line per thing dropped, for the log."""
     if not path.is_file():
         return []
     original = path.read_text()
@@ -75,7 +75,7 @@ def keep_rows_up_to(path: Path, last_step: int) -> list[str]:
         dropped.append(f"{path.name}: dropped a truncated last line (a run killed mid-write): {kept.pop()[:60]!r}")
     text = "".join(line + "\n" for line in kept)
     if text != original:
-        write_file(path, text)
+        write_file(path, text, root=path.parent)
     return dropped
 
 
@@ -84,7 +84,8 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing.
+    """Rank 0 writes; other ranks hold a logger that does nothing. Every write reaches run_dir without
+    following a link (safe_io), so a run directory replaced by one since the start stops the run in one line.
 
     Nothing in the run directory is created or changed until there is something to write, and a
     launch that will not train (start_step >= train.steps) writes nothing at all: its lines go to
@@ -100,6 +101,7 @@ class MetricsLogger:
         self.total_steps = cfg.train.steps
         self.start_step = start_step
         self.writes_files = start_step < cfg.train.steps
+        self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.diagnostics_path = run_dir / "diagnostics.jsonl"
         self.log_path = run_dir / "train.log"
@@ -131,7 +133,7 @@ class MetricsLogger:
         if self.writes_files:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             # Opened per line: a process killed with os._exit or SIGKILL loses no buffered line.
-            append_text(self.log_path, f"{stamp} {line}\n")
+            append_text(self.log_path, f"{stamp} {line}\n", root=self.run_dir)
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
         if self.enabled:
@@ -175,7 +177,7 @@ class MetricsLogger:
             for dropped in [*keep_rows_up_to(self.metrics_path, self.start_step),
                             *keep_rows_up_to(self.diagnostics_path, self.start_step)]:
                 self.print(dropped)
-        append_text(path, json_line(record))
+        append_text(path, json_line(record), root=self.run_dir)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -251,12 +253,11 @@ class StepProfiler:
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
-        self.profile.stop()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        profile, self.profile = self.profile, None  # a failed write is not tried again by the trainer's last close()
+        profile.stop()
         path = self.directory / f"rank{self.rank}_steps{self.steps_covered[0]}-{self.steps_covered[-1]}.json"
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.unlink(missing_ok=True)  # the exporter opens it with open(), which would follow a link there
-        self.profile.export_chrome_trace(str(temporary))
-        os.replace(temporary, path)
-        self.profile = None
+        # The exporter opens a path with open(), which would follow a link: it gets a file made without
+        # following one, profile/ reached from the run directory (its parent) likewise.
+        with file_for_library(path, root=self.directory.parent) as target:
+            profile.export_chrome_trace(str(target))
         return path

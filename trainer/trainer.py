@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import math
 import os
 import random
@@ -194,6 +195,11 @@ class Trainer:
         barrier()
         self.samples = samples if samples is not None else open_data()
         self.tokenizer_file = self.samples.blend.tokenizer_file
+        # Copied into run.dir for inference.generate (verified with its dataset); its sha256 goes into every
+        # checkpoint's meta.json, so an export can tell it from another run's tokenizer.json.
+        usable = self.tokenizer_file is not None and self.tokenizer_file.is_file()
+        self.tokenizer_json = self.tokenizer_file.read_bytes() if usable else None
+        self.tokenizer_sha256 = hashlib.sha256(self.tokenizer_json).hexdigest() if usable else None
         self.samples.build_for_run(cfg.train.steps, cfg.train.global_batch)  # on every rank at once: collective
 
     def _downstream_evaluation(self):
@@ -367,9 +373,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.info.is_main:
             return
-        write_file(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        if self.tokenizer_file is not None and self.tokenizer_file.is_file():  # for inference.generate
-            write_file(self.run_dir / "tokenizer.json", self.tokenizer_file.read_bytes())  # verified with its dataset
+        write_file(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)), root=self.run_dir)
+        if self.tokenizer_json is not None:
+            write_file(self.run_dir / "tokenizer.json", self.tokenizer_json, root=self.run_dir)
         if self.pre_decay_step is not None and self.step < self.pre_decay_step:
             pin_checkpoint(self.run_dir, self.pre_decay_step)
 
@@ -596,7 +602,8 @@ class Trainer:
     def save(self) -> Path:
         extra = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": rng_state(),
                  "skipped_steps": self.skipped_steps}
-        meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg)}
+        meta = {"model_fingerprint": self.fingerprint, "config": asdict(self.cfg),
+                "tokenizer_sha256": self.tokenizer_sha256}
         return self.saver.save(self.run_dir, self.step, self.model, self.optimizer.optimizers, self.scheduler, extra,
                                meta, self.cfg.train.keep_last, self.layout.mesh)
 

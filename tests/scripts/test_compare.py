@@ -79,6 +79,47 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_forged_finished_json_is_not_believed_over_the_checkpoints(tmp_path, tiny_dataset, capsys):
+    """A finished.json at train.steps in a run whose checkpoints and metrics stop at step 2 used to make the
+    grid skip an unfinished run; it now resumes, with one line saying why."""
+    shared, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "baseline")
+    Trainer(load_config([*shared, "variant=baseline", "seed=0", f"run.dir={run_dir}", "train.stop_after=2",
+                         "train.ckpt_every=2"]), init_distributed()).fit()
+    (run_dir / FINISHED_FILE).write_text('{"step": 4}\n')
+    capsys.readouterr()
+    compare.main(tool)
+    assert (f"[compare] {run_dir}: finished.json records step 4, but its newest checkpoint is at step 2 and "
+            "metrics.jsonl logs no step 4; not treated as finished") in capsys.readouterr().err.splitlines()
+    assert steps_logged(run_dir) == [1, 2, 3, 4]
+    assert latest_checkpoint(run_dir).name == "step_00000004"
+
+
+def fake_run(tmp_path, checkpoints, logged, finished):
+    """A run directory as finished_at reads it: complete checkpoints (a meta.json each), metrics rows, finished.json."""
+    run = tmp_path / "run"
+    for step in checkpoints:
+        (run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:08d}" / "meta.json").write_text("{}")
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in logged))
+    (run / FINISHED_FILE).write_text(json.dumps({"step": finished}))
+    return run
+
+
+@pytest.mark.parametrize("checkpoints, logged, believed", [
+    ([], [], 6),               # checkpoints deleted on purpose: finished.json is all that is left
+    ([6], [1, 2, 3, 4, 5, 6], 6),
+    ([3], [1, 2, 3, 4, 5, 6], 6),  # the last checkpoint deleted, an earlier (pinned) one kept: the metrics show 6
+    ([3], [1, 2, 3], 0),       # nothing past step 3: not finished at 6
+    ([3, 9], [], 6),           # extended past it since: the newer checkpoint counts
+])
+def test_finished_json_is_believed_where_checkpoints_or_metrics_reach_its_step(tmp_path, checkpoints, logged,
+                                                                               believed):
+    said = []
+    assert compare.finished_at(fake_run(tmp_path, checkpoints, logged, finished=6), said.append) == believed
+    assert len(said) == (believed == 0)
+
+
 def test_unknown_experiment_is_one_clear_line(capsys):
     with pytest.raises(SystemExit):
         compare.main(["experiment=nope"])

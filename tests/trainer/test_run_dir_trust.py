@@ -25,7 +25,7 @@ from trainer.config import ConfigError, load_config
 from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.run_dir.lock import RunDirError, check_run_dir
 from trainer.metrics import keep_rows_up_to
-from trainer.run_dir.safe_io import append_text, first_link, write_file
+from trainer.run_dir.safe_io import LinkedPathError, append_text, first_link, write_file
 from trainer.trained import load_trained
 from trainer.trainer import Trainer
 
@@ -100,7 +100,7 @@ def test_writers_replace_a_link_planted_after_the_start_check(tmp_path):
     for name in ("config.yaml", "train.log", "metrics.jsonl"):
         (run / name).symlink_to(victim)
     write_file(run / "config.yaml", "a: 1\n")
-    with pytest.raises(OSError):
+    with pytest.raises(LinkedPathError):
         append_text(run / "train.log", "a line\n")
     keep_rows_up_to(run / "metrics.jsonl", 0)  # drops the unparsable last line by rewriting the file
     assert victim.read_text() == "precious\n"

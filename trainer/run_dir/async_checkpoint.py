@@ -25,12 +25,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from trainer.run_dir.checkpoint import begin_save, dcp_state, hash_share, merge_shares, publish, save_checkpoint
+from trainer.run_dir.checkpoint import (PendingSave, begin_save, dcp_state, hash_share, merge_shares, publish,
+                                        save_checkpoint)
 
 @dataclass
 class _InFlight:
-    final: Path
-    tmp: Path
+    pending: PendingSave
     meta: dict
     keep_last: int
     hashed: Future  # this rank's hash_share, once its DCP write has finished
@@ -62,12 +62,17 @@ class CheckpointSaver:
         if self.mode == "off":
             return save_checkpoint(run_dir, step, model, optimizers, scheduler, extra, meta, keep_last, mesh)
         self.wait()
-        final, tmp = begin_save(run_dir, step, model, extra)
-        written = dcp.async_save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=tmp,
-                                 process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
-        hashed = self.hasher.submit(self._hash_when_written, written, tmp)
-        self.in_flight = _InFlight(final, tmp, meta, keep_last, hashed)
-        return final
+        pending = begin_save(run_dir, step, model, extra)
+        try:
+            # A thread, not DCP's process-based writer: pending.target is a /proc/self path of this process.
+            written = dcp.async_save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=pending.target,
+                                     process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
+        except BaseException:
+            pending.close()
+            raise
+        hashed = self.hasher.submit(self._hash_when_written, written, pending.target)
+        self.in_flight = _InFlight(pending, meta, keep_last, hashed)
+        return pending.final
 
     def _hash_when_written(self, written: Future, tmp: Path) -> dict[str, dict]:
         # Every rank's DCP write returns only after rank 0 wrote .metadata, which follows every rank's data:
@@ -91,14 +96,17 @@ class CheckpointSaver:
         if self.in_flight is None:
             return None
         saving, self.in_flight = self.in_flight, None
-        files = merge_shares(saving.hashed.result())
-        publish(saving.final, saving.tmp, saving.meta, saving.keep_last, files)
-        return saving.final
+        try:
+            files = merge_shares(saving.hashed.result())
+            publish(saving.pending, saving.meta, saving.keep_last, files)
+        finally:
+            saving.pending.close()
+        return saving.pending.final
 
     def close(self) -> None:
         """Release the threads, the staging memory and the gloo group without publishing: after a failure, a
         save still in flight stays a .tmp-step_N (its write finishes before the process exits, so its group
-        is left to the process's end)."""
+        and the handle it writes through are left to the process's end)."""
         if self.hasher is not None:
             self.hasher.shutdown(wait=False)
         if self.stager is not None:

@@ -3,13 +3,17 @@
 One checkpoint is <run_dir>/checkpoints/step_00000100/ holding
   .metadata, *.distcp    DCP shards of the model, the optimizers and the LR scheduler
   extra/rank_<r>.json    per-rank trainer state (data position, RNG states, ...) as JSON values
-  meta.json              step, world_size, model_fingerprint, config, format, `files`: the size and
-                         sha256 of every other file of the checkpoint, by path relative to it, and
-                         meta_sha256: the sha256 of meta.json's own content (format 3)
+  meta.json              step, world_size, model_fingerprint, config, tokenizer_sha256 (of the run's
+                         tokenizer.json, or null), format, `files`: the size and sha256 of every other
+                         file of the checkpoint, by path relative to it, and meta_sha256: the sha256 of
+                         meta.json's own content (format 3)
 Everything is written under checkpoints/.tmp-step_00000100 and renamed into place by rank 0 once every
 rank has finished; meta.json is written last, so a step_* directory with a meta.json is complete, and a
-run killed mid-write keeps its previous checkpoints. Works in a single process (no process group) and
-with one, e.g. DDP over gloo; under torchrun the ranks split the hashing (rank r hashes every r-th file).
+run killed mid-write keeps its previous checkpoints. Every write, rename and removal reaches checkpoints/
+without following a link (safe_io.open_dir, PendingSave), so one planted there or at .tmp-step_N during a
+run stops the save in one line instead of writing into, or pruning, its target. Works in a single process
+(no process group) and with one, e.g. DDP over gloo; under torchrun the ranks split the hashing (rank r
+hashes every r-th file).
 
 Nothing is unpickled from a run: extra files are JSON, DCP's `.metadata` is unpickled with an allowlist
 of DCP's own metadata classes and its non-tensor entries with torch.load(weights_only=True)
@@ -30,8 +34,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
-import shutil
 import warnings
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -56,7 +60,8 @@ from model.params import config_counts
 from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
 from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
-from trainer.run_dir.safe_io import write_file
+from trainer.run_dir.safe_io import (LinkedPathError, check_still, held_dir, held_path, open_dir, remove_entry,
+                                     write_file)
 
 CHECKPOINTS_DIR = "checkpoints"
 TMP_PREFIX = ".tmp-"
@@ -217,14 +222,21 @@ def unfinished_checkpoints(run_dir: str | Path) -> list[Path]:
                   and not (p / META_FILE).is_file())
 
 
+def _remove_partial(checkpoints_dir: Path) -> list[Path]:
+    partial = sorted(checkpoints_dir.glob(TMP_PREFIX + "*"))
+    for entry in partial:
+        remove_entry(entry)
+    return partial
+
+
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
     """Delete the .tmp-* directories of saves that did not finish (a kill, a full disk) and return them:
     one left behind holds space the next save needs. Call only while no save runs (at start, rank 0)."""
     checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
-    partial = sorted(checkpoints_dir.glob(TMP_PREFIX + "*")) if checkpoints_dir.is_dir() else []
-    for entry in partial:
-        _remove(entry)
-    return partial
+    if not os.path.lexists(checkpoints_dir):
+        return []
+    with held_dir(run_dir, CHECKPOINTS_DIR) as held:
+        return [checkpoints_dir / entry.name for entry in _remove_partial(held)]
 
 
 PINNED_FILE = "pinned.json"  # a JSON list of checkpoint names _prune never removes
@@ -235,8 +247,7 @@ def pin_checkpoint(run_dir: str | Path, step: int) -> None:
     wsd run's pre-decay checkpoint, the one such a run can be extended from)."""
     pinned_file = Path(run_dir) / CHECKPOINTS_DIR / PINNED_FILE
     names = pinned_names(pinned_file.parent) | {checkpoint_path(run_dir, step).name}
-    pinned_file.parent.mkdir(parents=True, exist_ok=True)
-    write_file(pinned_file, json.dumps(sorted(names)) + "\n")
+    write_file(pinned_file, json.dumps(sorted(names)) + "\n", root=run_dir)
 
 
 def pinned_names(checkpoints_dir: Path) -> set[str]:
@@ -257,20 +268,40 @@ def pinned_names(checkpoints_dir: Path) -> set[str]:
 def _prune(checkpoints_dir: Path, keep_last: int, saved: Path) -> None:
     """Keep the `keep_last` newest checkpoints up to the one just saved. Checkpoints of later steps exist
     only when this run resumed from an older one (e.g. past a corrupt newest checkpoint): they are neither
-    counted nor allowed to push out the one just saved (saving their step again replaces them)."""
+    counted nor allowed to push out the one just saved (saving their step again replaces them).
+    checkpoints_dir is a safe_io.held_dir, so what is removed is an entry of the run's own checkpoints/."""
     pinned = pinned_names(checkpoints_dir)
     kept = [p for p in _complete_checkpoints(checkpoints_dir) if p.name <= saved.name and p.name not in pinned]
     for old in kept[: max(0, len(kept) - keep_last)]:
-        shutil.rmtree(old)
-    remove_partial_saves(checkpoints_dir.parent)  # the save in progress has already been renamed
+        remove_entry(old)
+    _remove_partial(checkpoints_dir)  # the save in progress has already been renamed
 
 
-def _remove(entry: Path) -> None:
-    """Delete a directory tree, or only the link if `entry` is one (rmtree refuses links; its target is not ours)."""
-    if entry.is_symlink():
-        entry.unlink()
-    else:
-        shutil.rmtree(entry)
+@contextmanager
+def _unsaved_if_linked(step: int):
+    """A link planted in run.dir during a save (safe_io.LinkedPathError) stops it in one line."""
+    try:
+        yield
+    except LinkedPathError as error:
+        raise CheckpointError(f"the checkpoint of step {step} was not saved and no checkpoint was removed: "
+                              f"{error}") from None
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save between begin_save and publish. `handle` holds its .tmp-step_N open, reached without following
+    a link: DCP writes and the hashing reads go through `target`, its held_path, so a link planted on the way
+    to .tmp-step_N meanwhile sends nothing elsewhere, and publish renames only the directory held."""
+    final: Path
+    tmp: Path
+    handle: int
+
+    @property
+    def target(self) -> Path:
+        return held_path(self.handle)
+
+    def close(self) -> None:
+        os.close(self.handle)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list, scheduler,
@@ -279,47 +310,60 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
     int, float, bool, None; tuples come back as lists); `meta` (from rank 0) should carry
     model_fingerprint; step, world_size, time, format and files are added. Returns the checkpoint directory.
     trainer/run_dir/async_checkpoint.py runs the same three parts with the write in the background."""
-    final, tmp = begin_save(run_dir, step, model, extra)
-    with _single_process_is_fine():
-        dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=tmp)
-    _barrier()
-    publish(final, tmp, meta, keep_last, merge_shares(hash_share(tmp, *_rank_and_world())))
-    return final
+    pending = begin_save(run_dir, step, model, extra)
+    try:
+        with _single_process_is_fine():
+            dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=pending.target)
+        _barrier()
+        publish(pending, meta, keep_last, merge_shares(hash_share(pending.target, *_rank_and_world())))
+    finally:
+        pending.close()
+    return pending.final
 
 
-def begin_save(run_dir: str | Path, step: int, model: nn.Module, extra: dict) -> tuple[Path, Path]:
+def begin_save(run_dir: str | Path, step: int, model: nn.Module, extra: dict) -> PendingSave:
     """The first part of every save (collective): refuse non-finite weights, make the empty
-    .tmp-step_N directory and write this rank's extra file into it. Returns (final, tmp)."""
+    .tmp-step_N directory, hold it open on every rank and write this rank's extra file into it."""
     _refuse_non_finite(model, step)
     rank, _ = _rank_and_world()
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
-    if rank == 0:
-        if tmp.is_symlink():
-            tmp.unlink()
-        shutil.rmtree(tmp, ignore_errors=True)  # an earlier save of this step killed mid-write
-        (tmp / EXTRA_DIR).mkdir(parents=True)
-    _barrier()
-    write_file(tmp / _extra_file(rank), json.dumps(extra))
-    return final, tmp
+    with _unsaved_if_linked(step):
+        if rank == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            with held_dir(run_dir, CHECKPOINTS_DIR, create=True) as checkpoints:
+                if os.path.lexists(checkpoints / tmp.name):
+                    remove_entry(checkpoints / tmp.name)  # an earlier save of this step killed mid-write
+            os.close(open_dir(run_dir, Path(CHECKPOINTS_DIR, tmp.name, EXTRA_DIR), create=True))
+        _barrier()
+        pending = PendingSave(final, tmp, open_dir(run_dir, Path(CHECKPOINTS_DIR, tmp.name)))
+        try:
+            write_file(tmp / _extra_file(rank), json.dumps(extra), root=run_dir)
+        except BaseException:
+            pending.close()
+            raise
+    return pending
 
 
-def publish(final: Path, tmp: Path, meta: dict, keep_last: int, files: dict[str, dict]) -> None:
+def publish(pending: PendingSave, meta: dict, keep_last: int, files: dict[str, dict]) -> None:
     """The last part of every save, once every rank's DCP write has finished (collective): rank 0 writes
     meta.json with the files' checksums, renames the checkpoint into place and prunes. Until then resume
     never takes it: a step_* directory with a meta.json is complete."""
     rank, world = _rank_and_world()
     if rank == 0:
+        final, tmp = pending.final, pending.tmp
         step = int(STEP_DIR.fullmatch(final.name).group(1))
         meta = seal_meta({**meta, "step": step, "world_size": world, "format": FORMAT, "files": files,
                           "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-        write_file(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            # Re-saving a step (a run resumed from an older checkpoint): move the old one aside to be
-            # pruned, so a kill between the two renames still leaves a complete checkpoint of this step.
-            final.rename(final.with_name(f"{TMP_PREFIX}replaced-{final.name}"))
-        tmp.rename(final)
-        _prune(final.parent, keep_last, final)
+        with _unsaved_if_linked(step), held_dir(final.parent.parent, CHECKPOINTS_DIR) as checkpoints:
+            check_still(pending.target, checkpoints / tmp.name, tmp)
+            write_file(pending.target / META_FILE, json.dumps(meta, indent=2) + "\n")
+            if os.path.lexists(checkpoints / final.name):
+                # Re-saving a step (a run resumed from an older checkpoint): move the old one aside to be
+                # pruned, so a kill between the two renames still leaves a complete checkpoint of this step.
+                (checkpoints / final.name).rename(checkpoints / f"{TMP_PREFIX}replaced-{final.name}")
+            (checkpoints / tmp.name).rename(checkpoints / final.name)
+            _prune(checkpoints, keep_last, final)
     _barrier()
 
 
@@ -409,6 +453,9 @@ def meta_problem(meta: dict) -> str | None:
         return f"has world_size {meta.get('world_size')!r}; expected an integer >= 1"
     if not isinstance(meta.get("model_fingerprint", ""), str):
         return "has a model_fingerprint that is not a string"
+    tokenizer = meta.get("tokenizer_sha256")  # inference.export compares the run's tokenizer.json with it
+    if tokenizer is not None and not (isinstance(tokenizer, str) and SHA256_HEX.fullmatch(tokenizer)):
+        return f"has tokenizer_sha256 {tokenizer!r}; expected 64 hex digits or null"
     files = meta.get("files")
     if not isinstance(files, dict):
         return "has no `files` table of sizes and checksums"
