@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +52,20 @@ class HangWatchdog:
             if self.running is not None:
                 self.durations.append(time.monotonic() - self.running[1])
             self.running = None
+
+    @contextmanager
+    def paused(self):
+        """The running step's clock stops inside the block (work that is no part of a step's time)."""
+        with self.lock:
+            running, self.running = self.running, None
+        paused_at = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.lock:
+                if running is not None:
+                    step, started = running
+                    self.running = (step, started + time.monotonic() - paused_at)
 
     def close(self) -> None:
         self.stopping.set()

@@ -416,6 +416,11 @@ class Trainer:
                     log.summary(record)
                 if diagnostics is not None:
                     log.log_diagnostics(diagnostics)
+                if self.downstream is not None and self.downstream.due(self.step):
+                    # Before the step's checkpoint: a launch killed between the two redoes the step and its
+                    # row (a resumed run drops the rows after its checkpoint). A long evaluation is no hang.
+                    with watchdog.paused():
+                        self._evaluate_tasks(log, record["tokens"])
                 published = self.saver.poll()  # the save in flight, once every rank's write is done
                 if published is not None:
                     log.print(f"checkpoint {published} written")
@@ -425,8 +430,6 @@ class Trainer:
                     path = self.save()
                     log.print(f"checkpoint {path}" + (" writing in the background" if self.saver.in_flight else ""))
                 watchdog.finish()
-                if self.downstream is not None and self.downstream.due(self.step):
-                    self._evaluate_tasks(log, record["tokens"])
                 if stopping:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
@@ -583,9 +586,8 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def _evaluate_tasks(self, log: MetricsLogger, tokens: int) -> None:
-        """train.eval_tasks on the live model, after the step's checkpoint and outside the hang watchdog's
-        step (a long evaluation is no hang); its metrics get a row of their own at this step. The RNGs are
-        put back as they were, so training goes on as it would have without it."""
+        """train.eval_tasks on the live model, before the step's checkpoint; its metrics get a row of their own
+        at this step. The RNGs are put back as they were, so training goes on as it would have without it."""
         state = rng_state()
         try:
             with self._autocast():
