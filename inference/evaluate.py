@@ -26,9 +26,12 @@ Options (key=value, default after the =; give tasks=, perplexity= or both):
   include_path=     a directory of task YAMLs besides lm_eval's own (default: configs/eval/tasks here). A
                     YAML there may run Python (`!function module.name` imports module.py from its
                     directory): a directory whose YAMLs (or the files they include) hold any tag but plain
-                    data's (str, int, map, ...), or do not parse, is refused unless allow_task_code=true.
-                    Task templates (doc_to_text, doc_to_target, ...) render in jinja2's sandbox unless
-                    allow_task_code=true: one that reaches for Python internals stops the run
+                    data's (str, int, map, ...), or do not parse, is refused unless allow_task_code=true;
+                    so is one naming code in plain data: a metric outside lm_eval's own or one with
+                    hf_evaluate: true (evaluate.load imports a script of that name), or a use_prompt from
+                    promptsource or a YAML file. Task templates (doc_to_text, doc_to_target, ...) render
+                    in jinja2's sandbox unless allow_task_code=true: one that reaches for Python internals
+                    stops the run
   allow_task_code=false  true: run the Python that include_path's task YAMLs name, and render every task's
                     templates outside the sandbox (only for code you trust)
   device=auto       auto (cuda when available), cpu, cuda or cuda:N
@@ -154,7 +157,8 @@ def check_dataset(given: str, tokenizer_file: Path, cfg: Config) -> BlendSamples
 
 def check_include_path(include_path: str | None, allow_task_code: bool) -> Path:
     """The task directory; one whose YAMLs hold a tag other than plain data's (`!function`, lm_eval's tag that
-    imports a module from the YAML's directory, above all) only with allow_task_code, except this repository's own."""
+    imports a module from the YAML's directory, above all) or name code in plain data (refuse_code_named_in)
+    only with allow_task_code, except this repository's own."""
     path = Path(include_path) if include_path else LOCAL_TASKS
     if not path.is_dir():
         raise EvaluateError(f"include_path={include_path} is not a directory; give a directory of lm_eval task YAMLs "
@@ -166,7 +170,7 @@ def check_include_path(include_path: str | None, allow_task_code: bool) -> Path:
 
 def check_task_yamls(directory: Path, option: str) -> None:
     """Every YAML lm_eval reads for `directory` (those under it, and those their `include:` names) holds plain
-    data only; `option` (the setting that named the directory) starts each refusal."""
+    data only, and names no code in it; `option` (the setting that named the directory) starts each refusal."""
     checked = set()
     pending = sorted((p.resolve() for p in directory.rglob("*") if p.suffix in YAML_SUFFIXES and p.is_file()),
                      reverse=True)  # popped from the end: the first refusal is that of the first file by name
@@ -174,7 +178,9 @@ def check_task_yamls(directory: Path, option: str) -> None:
         yaml_file = pending.pop()
         if yaml_file not in checked:
             checked.add(yaml_file)
-            pending.extend(included_files(yaml_file, plain_task_data(yaml_file, option)))
+            data = plain_task_data(yaml_file, option)
+            refuse_code_named_in(data, f"{option}: {yaml_file}")
+            pending.extend(included_files(yaml_file, data))
 
 
 def plain_task_data(yaml_file: Path, option: str):
@@ -220,6 +226,81 @@ def first_non_data_node(root: yaml.Node | None) -> yaml.Node | None:
             pending.extend(child for pair in reversed(node.value) for child in reversed(pair))
         elif isinstance(node, yaml.SequenceNode):
             pending.extend(reversed(node.value))
+    return None
+
+
+def refuse_code_named_in(data, where: str) -> None:
+    """The keys through which plain data still makes lm_eval run Python, in any mapping of `data`: a group's
+    defaults and its task list carry task keys as well as a task's top level. `where` starts the refusal.
+
+    - metric_list: lm_eval hands a metric its registry lacks, and any with hf_evaluate: true, to evaluate.load,
+      which imports NAME.py from a local directory NAME, or the file NAME, and else downloads a script from
+      the Hub. Checked even beside a process_results, which skips that lookup: a group's override or an
+      including file may set process_results back to null.
+    - use_prompt: promptsource renders its templates in its own jinja2 Environment, not the sandbox, read
+      from a directory that dataset_path can name; a `FILE.yaml:NAME` prompt is read with yaml.full_load,
+      which builds Python objects and is outside the tag check.
+
+    Left to lm_eval, as plain data there runs nothing: aggregation, filter and fewshot sampler names (lookups
+    in lm_eval's own registries); process_docs, process_results, custom_dataset, class and doc_to_* as
+    strings (only !function makes them callable; a string is a template or a field, or fails); and
+    dataset_path, dataset_name and dataset_kwargs: the datasets installed (>= 4) runs no loading script (a
+    path ending .py, or a directory DIR holding DIR.py, is an error; lm_eval drops trust_remote_code and
+    datasets ignores it) and its pandas builder reads no pickle, which the tests hold it to."""
+    import lm_eval.api.metrics  # noqa: F401  registers lm_eval's metrics, as its get_metric does on first use
+    from lm_eval.api.registry import metric_registry
+    from lm_eval.prompts import PROMPT_REGISTRY
+
+    for mapping in mappings_in(data):
+        metric_list = mapping.get("metric_list")
+        for entry in metric_list if isinstance(metric_list, list) else []:
+            reason = metric_loaded_as_code(entry, metric_registry)
+            if reason is not None:
+                raise EvaluateError(f"{where}: metric_list {reason}, so lm_eval would load it with evaluate.load "
+                                    "(a script at that path, or one from the Hub); use lm_eval's own metrics "
+                                    f"({', '.join(sorted(metric_registry))}) without hf_evaluate, or {TRUST_HINT}")
+        prompt = mapping.get("use_prompt")
+        source = prompt_source(prompt) if isinstance(prompt, str) else None
+        if source is not None:
+            own = ", ".join(f"{category}:{name}" for category, prompts in PROMPT_REGISTRY.items() for name in prompts)
+            raise EvaluateError(f"{where}: use_prompt {prompt!r} takes its prompt from {source}; use one of "
+                                f"lm_eval's own prompts ({own}), or {TRUST_HINT}")
+
+
+def mappings_in(data):
+    """Every mapping in `data`, in document order; one that aliases reach twice (or within itself) once."""
+    seen, pending = set(), [data]
+    while pending:
+        value = pending.pop()
+        if not isinstance(value, (dict, list)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            yield value
+        pending.extend(reversed(list(value.values()) if isinstance(value, dict) else value))
+
+
+def metric_loaded_as_code(entry, metric_registry) -> str | None:
+    """Why lm_eval would hand the metric_list entry `entry` to evaluate.load (as ConfigurableTask decides), or
+    None. The registry only grows once lm_eval runs, so a name found in it now is found then."""
+    if not isinstance(entry, dict) or "metric" not in entry:
+        return None  # lm_eval refuses the entry before it looks the metric up
+    name = entry["metric"]
+    if entry.get("hf_evaluate") is True:
+        return f"marks {name!r} hf_evaluate: true"
+    if not (isinstance(name, str) and name in metric_registry):
+        return f"names {name!r}, not one of lm_eval's metrics"
+    return None
+
+
+def prompt_source(prompt: str) -> str | None:
+    """Where lm_eval's get_prompt would read `prompt` (CATEGORY:NAME) from, when that can run code or build
+    Python objects; None for its own prompt registry."""
+    category = prompt.partition(":")[0]
+    if category == "promptsource":
+        return "promptsource, which renders its templates outside the sandbox"
+    if ".yaml" in category:
+        return f"the file {category}, which lm_eval reads with yaml.full_load (Python objects, unchecked)"
     return None
 
 

@@ -4,6 +4,7 @@ text cut at a stop string, the CLI writes local-task and perplexity results; bad
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -387,6 +388,156 @@ def test_a_task_of_plain_data_passes_and_lm_eval_indexes_it(tmp_path):
     assert inference.evaluate.check_include_path(str(tasks), allow_task_code=False) == tasks
     assert "mine" in task_manager_for(["mine"], tasks).all_tasks
     assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def evaluate_modules_cache(tmp_path_factory):
+    """evaluate.load copies each script it imports into its modules cache (~/.cache/huggingface/modules): here one
+    directory for all of this module's tests, as the package it imports them from is bound at its first use."""
+    import evaluate.config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path_factory.mktemp("evaluate_modules"))
+        yield
+
+
+# A metric_list entry's name, the script (under tmp_path) evaluate.load imports for it, and its hf_evaluate.
+EVALUATE_LOADS = {
+    "directory": ("{tmp}/m", "m/m.py", False),  # a directory NAME: NAME/NAME.py
+    "script": ("{tmp}/m.py", "m.py", False),
+    "hf_evaluate": ("acc", "acc/acc.py", True),  # lm_eval's own name, looked up in the working directory first
+}
+
+
+@pytest.mark.parametrize("form", EVALUATE_LOADS)
+def test_a_metric_lm_eval_would_load_with_evaluate_is_refused_and_lm_eval_would_run_it(
+        tmp_path, monkeypatch, evaluate_modules_cache, form):
+    """A tag-free task: lm_eval hands a metric its registry lacks, or any marked hf_evaluate: true, to
+    evaluate.load, which imports a local script of that name before it looks on the Hub."""
+    from lm_eval.api.registry import get_metric
+
+    name, script, hf_evaluate = EVALUATE_LOADS[form]
+    name = name.format(tmp=tmp_path)
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tmp_path / script).parent.mkdir(exist_ok=True)
+    (tmp_path / script).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({"task": "mine", "metric_list": [
+        {"metric": "acc"}, {"metric": name, "hf_evaluate": hf_evaluate, "higher_is_better": True}]}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    reason = f"marks {name!r} hf_evaluate: true" if hf_evaluate else f"names {name!r}, not one of lm_eval's metrics"
+    message = str(refused.value)
+    assert message.startswith(f"include_path={tasks}: {tasks / 'mine.yaml'}: metric_list {reason}, so lm_eval would "
+                              "load it with evaluate.load (a script at that path, or one from the Hub); use lm_eval's "
+                              "own metrics (acc, acc_all, ")
+    assert message.endswith(") without hf_evaluate, or pass allow_task_code=true only if you trust that directory's "
+                            "code") and "\n" not in message
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
+    assert not marker.exists()
+    get_metric(name, hf_evaluate)  # as lm_eval's ConfigurableTask calls it for this entry
+    assert marker.exists()
+
+
+def test_a_metric_in_a_groups_task_list_is_refused_from_the_cli(export_dir, tmp_path, capsys, no_model_load):
+    """A group's task list overrides the keys of the tasks it names (here one of lm_eval's own), metric_list too."""
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "m.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({"group": "mine", "task": [
+        {"task": "arc_easy", "metric_list": [{"metric": str(tmp_path / "m")}]}]}))
+    err = cli_error(capsys, main, [f"model={export_dir}", "tasks=mine", f"include_path={tasks}"])
+    assert err.startswith(f"error: include_path={tasks}: {tasks / 'mine.yaml'}: metric_list names "
+                          f"{str(tmp_path / 'm')!r}, not one of lm_eval's metrics, so lm_eval would load it with "
+                          "evaluate.load")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("prompt, source", [
+    ("promptsource:GPT-3 Style", "promptsource, which renders its templates outside the sandbox"),
+    ("{tmp}/prompts.yaml:mine", "the file {tmp}/prompts.yaml, which lm_eval reads with yaml.full_load (Python "
+                                "objects, unchecked)"),
+], ids=["promptsource", "yaml_file"])
+def test_a_prompt_from_outside_lm_evals_own_is_refused(tmp_path, prompt, source):
+    """promptsource, no dependency here, is only refused. A prompt file is read with yaml.full_load: one out of
+    include_path, which the tag check does not see, hands lm_eval a Python object (here os.system) for a prompt."""
+    from lm_eval.prompts import get_prompt
+
+    tasks, _ = task_dir_with_module(tmp_path)
+    prompt, source = prompt.format(tmp=tmp_path), source.format(tmp=tmp_path)
+    (tmp_path / "prompts.yaml").write_text("prompts:\n  mine: !!python/name:os.system\n")
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({"task": "mine", "use_prompt": prompt}))
+    with pytest.raises(inference.evaluate.EvaluateError) as refused:
+        inference.evaluate.check_include_path(str(tasks), allow_task_code=False)
+    assert str(refused.value) == (f"include_path={tasks}: {tasks / 'mine.yaml'}: use_prompt {prompt!r} takes its "
+                                  f"prompt from {source}; use one of lm_eval's own prompts (qa-basic:question-newline-"
+                                  "answer, qa-basic:q-newline-a), or pass allow_task_code=true only if you trust that "
+                                  "directory's code")
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=True) == tasks
+    if prompt.startswith(str(tmp_path)):
+        assert get_prompt(prompt).prompt_string is os.system
+
+
+def test_lm_evals_own_metrics_prompts_and_registry_names_pass(tmp_path):
+    """Every metric the repository's tasks use (their YAMLs read by lm_eval's loader, which leaves !function
+    unresolved) and others of lm_eval's, a prompt of its own, and names that reach only lm_eval's registries:
+    aggregations, filters, a group's aggregate_metric_list."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    repository_metrics = [entry for path in sorted(inference.evaluate.LOCAL_TASKS.glob("*.yaml"))
+                          for entry in load_yaml(path, resolve_func=False).get("metric_list", [])]
+    assert {entry["metric"] for entry in repository_metrics} == {"acc", "acc_norm", "exact_match", "word_perplexity",
+                                                                 "byte_perplexity", "bits_per_byte"}
+    tasks, marker = task_dir_with_module(tmp_path)
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({
+        "task": "mine", "use_prompt": "qa-basic:q-newline-a",
+        "metric_list": repository_metrics + [{"metric": name, "hf_evaluate": False} for name in ("bleu", "f1", "mcc")],
+        "filter_list": [{"name": "strict", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"},
+                                                      {"function": "take_first"}]}]}))
+    (tasks / "group.yaml").write_text(yaml.safe_dump({"group": "mine_group", "task": [
+        {"task": "mine", "metric_list": [{"metric": "acc", "aggregation": "mean"}]}],
+        "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean"}]}))
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=False) == tasks
+    assert not marker.exists()
+
+
+class OpensMarkerWhenUnpickled:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+@pytest.mark.parametrize("form", ["directory_script", "script", "pandas_pickle"])
+def test_a_dataset_is_left_to_datasets_which_runs_no_code_from_it(tmp_path, form):
+    """dataset_path, dataset_name and dataset_kwargs pass the check: the datasets installed (>= 4) runs no loading
+    script, whether dataset_path names a directory DIR holding DIR.py or the script itself (and lm_eval drops
+    trust_remote_code), and its pandas builder reads no pickle. An older datasets would run each: this says so."""
+    tasks, marker = task_dir_with_module(tmp_path)
+    code = f"open({str(marker)!r}, 'w').close()\n"
+    kwargs = {"trust_remote_code": True, "cache_dir": str(tmp_path / "hf")}
+    if form == "directory_script":
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "docs.py").write_text(code)
+        dataset_path, refusal = str(tmp_path / "docs"), "Dataset scripts are no longer supported, but found docs.py"
+    elif form == "script":
+        (tmp_path / "docs.py").write_text(code)
+        dataset_path, refusal = str(tmp_path / "docs.py"), "Dataset scripts are no longer supported, but found docs.py"
+    else:
+        (tmp_path / "docs.pkl").write_bytes(pickle.dumps(OpensMarkerWhenUnpickled(marker)))
+        kwargs["data_files"] = {"test": str(tmp_path / "docs.pkl")}
+        dataset_path, refusal = "pandas", "Pickle loading with the pandas dataset builder is disabled"
+    (tasks / "mine.yaml").write_text(yaml.safe_dump({
+        "task": "mine", "dataset_path": dataset_path, "dataset_kwargs": kwargs, "output_type": "loglikelihood_rolling",
+        "test_split": "test", "doc_to_text": "", "doc_to_target": "text"}))
+    assert inference.evaluate.check_include_path(str(tasks), allow_task_code=False) == tasks
+    with pytest.raises((RuntimeError, ValueError), match=refusal):
+        task_manager_for(["mine"], tasks).load(["mine"])
+    assert not marker.exists()
+    if form == "pandas_pickle":
+        pickle.loads((tmp_path / "docs.pkl").read_bytes()).close()
+        assert marker.exists(), "the pickle runs code when read as pandas.read_pickle would read it"
 
 
 def test_help_prints_the_usage(capsys):
