@@ -2,7 +2,9 @@ from setuptools import find_packages, setup
 
 # inference.evaluate (lm-evaluation-harness as a library) and inference.export format=hf. transformers is held
 # to one minor release: the exported model's generate() goes through its cache hand-off, which still moves.
-EVAL = ["transformers>=5.24,<5.25", "lm-eval>=0.4.13,<0.5"]
+# datasets 4 stopped running dataset loading scripts: an include_path task's dataset_path is then data, not code
+# (inference/evaluate.py); lm-eval itself accepts datasets from 2.16.
+EVAL = ["transformers>=5.24,<5.25", "lm-eval>=0.4.13,<0.5", "datasets>=4"]
 
 setup(
     name="attnres",

@@ -2,9 +2,10 @@
 ends like its uninterrupted run, bitwise (the losses, gradient norm and validation loss of step 4, and
 every weight of the step-4 checkpoint).
 
-The runs of one world size go into one torchrun launch, beside that world size's other runs: 2 and 4 ranks
-in tests/parallel/test_resume_matrix.py, 8 and 16 ranks in test_fsdp's composed launches (a launch of 8 or
-16 processes costs more on 2 cores than all of its runs). One process runs in the test process.
+The runs of one world size go into one torchrun launch, beside that world size's other runs: 2 ranks in
+tests/parallel/test_resume_matrix.py, 4, 8 and 16 ranks in test_fsdp's composed launches, whose layouts take
+their step-3 checkpoints from the matrix's uninterrupted runs (copy_as_stopped) instead of training their own.
+One process runs in the test process.
 
 Up to 2 ranks a run is stopped with train.stop_after=3 and launched again with the same command
 (resume=auto, what `make train` does); from 4 ranks on, where every run costs a few seconds, the resumed run
@@ -14,6 +15,7 @@ same load.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,13 +31,14 @@ MATRIX: dict[int, dict[str, dict]] = {  # world size -> preset -> the settings i
     4: {
         "cp2_pp2": {},
         "dp2_fsdp2": {"train.micro_batch": 1},
-        "dp2_pp2_vp2": {"train.global_batch": 8, "model.n_blocks": 8},
+        # 4 validation batches: fewer than a pipeline's microbatches give no validation loss
+        "dp2_pp2_vp2": {"train.global_batch": 8, "model.n_blocks": 8, "train.eval_batches": 4},
         "fsdp2_cp2": {},
         "fsdp2_ep2": {"train.micro_batch": 1},
         "fsdp2_pp2": {"train.global_batch": 8},
         "fsdp2_tp2": {},
         "pp2_ep2": {"train.global_batch": 8},
-        "pp4_vp2": {"train.global_batch": 8, "model.n_blocks": 8},  # 8 chunks need 8 blocks
+        "pp4_vp2": {"train.global_batch": 8, "model.n_blocks": 8, "train.eval_batches": 4},  # 8 chunks: 8 blocks
         "tp2_pp2": {},
     },
     8: {
@@ -61,10 +64,7 @@ def step_checkpoint(run_dir: Path, step: int = STOP) -> Path:
 
 
 def _overrides(run_dir: Path, dataset, layout: str, **extra) -> list[str]:
-    # Validation every 2 steps: step 4's validation loss reads the weights of step 4's update, which the
-    # resumed optimizer state made.
-    return fast_train_overrides(run_dir, dataset, steps=STEPS, parallel=layout, **MATRIX_SETTINGS[layout],
-                                **{"train.eval_every": 2}, **extra)
+    return fast_train_overrides(run_dir, dataset, steps=STEPS, parallel=layout, **MATRIX_SETTINGS[layout], **extra)
 
 
 def runs(world: int, root: Path, dataset) -> list[list[str]]:
@@ -95,7 +95,8 @@ def _records(run_dir: Path) -> dict[int, dict]:
 
 
 def _compared(record: dict) -> dict:
-    return {key: record.get(key) for key in ("loss", "grad_norm", "val_loss")}  # val_loss at steps 3 and 4
+    # val_loss at steps 3 and 4: step 4's reads the weights of step 4's update, which the resumed optimizer made
+    return {key: record.get(key) for key in ("loss", "grad_norm", "val_loss")}
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -109,6 +110,7 @@ def assert_resumed_bitwise(world: int, root: Path) -> None:
         straight, resumed = root / layout / "straight", root / layout / "resumed"
         expected, found = _records(straight), _records(resumed)
         assert sorted(expected) == list(range(1, STEPS + 1)), layout
+        assert None not in _compared(expected[STEPS]).values(), (layout, expected[STEPS])
         assert sorted(found) == (list(range(1, STEPS + 1)) if world <= RELAUNCHED_UP_TO else [STEPS]), layout
         for step in range(STOP + 1 if world > RELAUNCHED_UP_TO else 1, STEPS + 1):
             assert _compared(found[step]) == _compared(expected[step]), (layout, step)
@@ -120,3 +122,13 @@ def assert_resumed_bitwise(world: int, root: Path) -> None:
         found, expected = _records(root / f"{source}_to_{target}")[STEPS], _records(root / target / "straight")[STEPS]
         for key, value in _compared(found).items():
             assert value == pytest.approx(expected[key], rel=1e-5), (source, target, key)
+
+
+def copy_as_stopped(straight: Path, stopped: Path) -> None:
+    """`stopped`: the uninterrupted run `straight` as it stood after step 3, as if train.stop_after=3 had ended
+    it there (its later checkpoints and finished.json gone; a resume drops its later metrics rows itself)."""
+    shutil.copytree(straight, stopped)
+    for checkpoint in (stopped / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.removeprefix("step_")) > STOP:
+            shutil.rmtree(checkpoint)
+    (stopped / "finished.json").unlink()

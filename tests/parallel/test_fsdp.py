@@ -222,40 +222,38 @@ def test_fsdp_layouts_that_do_not_fit_the_processes_are_refused(overrides, world
         validate_layout(load_config(overrides), world)
 
 
-COMPOSED = {  # 4-rank layouts and the settings each needs
-    "fsdp2_pp2": {"train.global_batch": 8},
-    "fsdp2_ep2": {"train.micro_batch": 1},
-    "fsdp2_tp2": {},
-    "cp2_pp2": {"train.global_batch": 4},  # context parallelism through pipeline stages
-}
-COMPOSED_8 = {  # fsdp with two of the others (ep is carved out of dp, so fsdp x ep needs 2 replicas)
-    "dp2_fsdp2_pp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
-    "fsdp2_cp2_tp2": {"train.micro_batch": 1},  # tp slices sharded over fsdp x cp
-}
-COMPOSED_16 = {  # fsdp with all three of pp, tp and ep (the planner's dp4_fsdp2_pp4_tp2_ep4 on 64 GPUs);
-    # it contains fsdp x tp x ep and fsdp x pp x tp, so those need no 8-rank runs of their own
-    "dp2_fsdp2_pp2_tp2_ep2": {"train.micro_batch": 1, "train.global_batch": 8},
-}
+# The composed layouts, with the settings each needs (the resume matrix's, whose runs they share: a layout's
+# step-3 checkpoint comes from the matrix's uninterrupted run of it).
+COMPOSED = {layout: resume_matrix.MATRIX_SETTINGS[layout] for layout in (  # 4 ranks
+    "fsdp2_pp2", "fsdp2_ep2", "fsdp2_tp2",
+    "cp2_pp2")}  # context parallelism through pipeline stages
+COMPOSED_8 = {layout: resume_matrix.MATRIX_SETTINGS[layout] for layout in (
+    "dp2_fsdp2_pp2_ep2",  # fsdp with two of the others (ep is carved out of dp, so fsdp x ep needs 2 replicas)
+    "fsdp2_cp2_tp2")}  # tp slices sharded over fsdp x cp
+# fsdp with all three of pp, tp and ep (the planner's dp4_fsdp2_pp4_tp2_ep4 on 64 GPUs); it contains fsdp x tp x
+# ep and fsdp x pp x tp, so those need no 8-rank composition of their own (the resume matrix runs them)
+COMPOSED_16 = {"dp2_fsdp2_pp2_tp2_ep2": resume_matrix.MATRIX_SETTINGS["dp2_fsdp2_pp2_tp2_ep2"]}
 
 
 def composed_runs(settings: dict, tmp_path, dataset) -> list[list[str]]:
-    """Per layout: one process straight through and stopped after 3 steps (here), and the two runs for
-    the launch: the layout stopped after 3 steps, and the layout resuming one process's checkpoint."""
+    """Per layout: one process straight through and stopped after 3 steps (here), and for the launch the
+    layout resuming one process's checkpoint; the launch also runs the resume matrix's runs of its world size
+    (under tmp_path / "resume"), among them each layout's uninterrupted run."""
     runs = []
     for layout, extra in settings.items():
         single(tmp_path / layout / "straight", dataset, **extra)
         single(tmp_path / layout / "single_first", dataset, **extra, **{"train.stop_after": 3})
-        runs += [fast_train_overrides(tmp_path / layout / "mesh_first", dataset, steps=4, parallel=layout,
-                                      **extra, **{"train.stop_after": 3}),
-                 fast_train_overrides(tmp_path / layout / "single_first", dataset, steps=4, parallel=layout,
-                                      **extra)]
+        runs.append(fast_train_overrides(tmp_path / layout / "single_first", dataset, steps=4, parallel=layout,
+                                         **extra))
     return runs
 
 
 def assert_composed_like_one_process(settings: dict, tmp_path, dataset) -> None:
-    """The layout's run resumed in one process, and one process's run resumed under the layout, both
-    have one process's losses, gradient norms and validation loss (rel 1e-5)."""
+    """The layout's run resumed in one process from its step-3 checkpoint (the resume matrix's uninterrupted
+    run, as it stood after step 3), and one process's run resumed under the layout, both have one process's
+    losses, gradient norms and validation loss (rel 1e-5)."""
     for layout, extra in settings.items():
+        resume_matrix.copy_as_stopped(tmp_path / "resume" / layout / "straight", tmp_path / layout / "mesh_first")
         single(tmp_path / layout / "mesh_first", dataset, **extra)
         reference = metrics(tmp_path / layout / "straight")
         for run in ("mesh_first", "single_first"):
@@ -272,7 +270,7 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated parameters) sharded over
     the 2 fsdp ranks of each tp index; checkpoints hold them as DTensors over (fsdp, tp), strided where both
     cut dim 0. cp2_pp2: 2 pipeline stages (2 chunks each), each on 2 cp ranks holding half of every sequence.
-    Stopped after 3 steps a run resumes in one process, and a single-process checkpoint resumes
+    Each layout's step-3 checkpoint resumes in one process, and a single-process checkpoint resumes
     under the layout; both have one process's losses, gradient norms (clipping active) and validation loss,
     rel 1e-5."""
     one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
@@ -281,11 +279,12 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     straight_hsdp, hsdp = tmp_path / "straight_hsdp", tmp_path / "hsdp"
     Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **scored)),
             init_distributed()).fit()
-    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in COMPOSED.items()}  # norms 1.4-3.3
+    settings = COMPOSED  # gradient norms 1.4-3.3: the default train.grad_clip=1.0 is active
     runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **scored),
-            *composed_runs(settings, tmp_path, tiny_dataset)]
+            *composed_runs(settings, tmp_path, tiny_dataset), *resume_matrix.runs(4, tmp_path / "resume", tiny_dataset)]
     result = torchrun_runs(runs, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
+    resume_matrix.assert_resumed_bitwise(4, tmp_path / "resume")
 
     reference, found = metrics(straight_hsdp), metrics(hsdp)
     assert sorted(found["loss"]) == [1, 2, 3]
@@ -311,9 +310,8 @@ def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_
     resumes both ways from one process with one process's losses, gradient norms (clipping active) and
     validation loss, rel 1e-5. The same launch runs the resume matrix's presets of its world size
     (tests/parallel/resume_matrix.py): each stops and resumes in its own layout bitwise."""
-    settings = {layout: {**extra, "train.grad_clip": 1.0} for layout, extra in layouts.items()}
-    runs = composed_runs(settings, tmp_path, tiny_dataset) + resume_matrix.runs(nproc, tmp_path / "resume", tiny_dataset)
+    runs = composed_runs(layouts, tmp_path, tiny_dataset) + resume_matrix.runs(nproc, tmp_path / "resume", tiny_dataset)
     result = torchrun_runs(runs, tmp_path, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
     resume_matrix.assert_resumed_bitwise(nproc, tmp_path / "resume")
+    assert_composed_like_one_process(layouts, tmp_path, tiny_dataset)
