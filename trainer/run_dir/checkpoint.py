@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from model import build_model
 from model.config import ModelConfig
 from model.params import config_counts
+from parallel.failure import one_line
 from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
 from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
@@ -153,8 +154,8 @@ def dcp_state(model: nn.Module, optimizers: list, scheduler, mesh, flat_optim: b
     index, overwrote each other's `param_groups.0.params` in the one checkpoint. The param groups' settings
     are not saved: each is the config's, or, for lr and initial_lr, the schedule's, which the scheduler's own
     state restores (_restore_scheduled_lrs); flattened, they were one entry per parameter and setting, most
-    of a small model's checkpoint entries (model=xs: two saves took 1.6 s with them, 0.7 s without). flat_optim=False reads checkpoints written before
-    (nested_optimizer_layout), param groups and all."""
+    of a small model's checkpoint entries and half its save time (docs/BENCHMARKS.md). flat_optim=False
+    reads checkpoints written before (nested_optimizer_layout), param groups and all."""
     if optimizers:
         model_state, optim_state = get_state_dict(model, optimizers, options=_optim_options(flat_optim))
         if flat_optim:
@@ -544,8 +545,7 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, CheckpointException) and error.failures:
         rank, (error, _) = next(iter(error.failures.items()))
         prefix = f"rank {rank}: "
-    lines = str(error).splitlines()
-    return f"{prefix}{type(error).__name__}" + (f": {lines[0]}" if lines else "")
+    return prefix + one_line(error)
 
 
 def _read_extra(path: Path, meta: dict, rank: int) -> dict:
