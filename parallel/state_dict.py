@@ -19,12 +19,9 @@ def _placements(model: nn.Module) -> dict[str, tuple[Placement, nn.Parameter]]:
     return {name: (placement, param) for name, param, placement in placed_parameters(model) if placement is not None}
 
 
-def _moment_owner(flat_key: str) -> str | None:
-    """The parameter a flattened optimizer entry belongs to: `state.<name>.<moment>` -> name; None for
-    `param_groups.<name>.<hyperparameter>`, which are no tensors."""
-    if not flat_key.startswith("state."):
-        return None
-    return flat_key[len("state."):].rsplit(".", 1)[0]
+def _moment_owner(flat_key: str) -> str:
+    """The parameter a flattened optimizer entry belongs to: `state.<name>.<moment>` -> name."""
+    return flat_key.removeprefix("state.").rsplit(".", 1)[0]
 
 
 def _map_state(state: dict, convert) -> dict:
