@@ -3,8 +3,8 @@
 torch.optim.Muon's update is elementwise except for the Newton-Schulz orthogonalisation, which needs the
 whole matrix. On a DTensor shard torch's own step runs the iteration through DTensor's sharded matmuls:
 it runs, but a tall matrix (orthogonalised transposed) sums its bf16 partial products in another order
-than one process does, and its update differs by about 2% (measured: 1.8e-2 of the largest update after
-3 steps on 2 ranks; wide and square matrices came out exact). Here the
+than one process does, and its update differs from one process's (measured in docs/BENCHMARKS.md, "Muon on
+sharded parameters"). Here the
 elementwise parts (momentum, Nesterov, decoupled decay, the step) stay on the local shard, and the
 orthogonalisation all-gathers the update, runs torch's own iteration on the whole matrix (the same
 call one process makes, so the result is one process's) and keeps this rank's shard of it, as

@@ -34,9 +34,8 @@ def phase1_tiles(tokens: int, head_dim: int, n_sources: int, n_queries: int, gpu
 
     On a GPU the largest register tiles, (BLOCK_M, BLOCK_N, BLOCK_D) and (BLOCK_M, BLOCK_N, BLOCK_S),
     hold 16 elements per thread forward and 4 backward (which keeps about four such tiles live at
-    once): at d 2304 with up to 16 sources and queries that is 94 and 104 registers with no spills on
-    sm_90a (`python -m scripts.kernel_report`), where one 8192-element tile on 4 warps spilled 720 B
-    per thread in the backward.
+    once), sized so that no configuration spills registers (`python -m scripts.kernel_report`; the
+    register counts are in docs/BENCHMARKS.md, "Kernels").
     """
     block_n = max(MIN_DOT, triton.next_power_of_2(n_sources))
     block_s = max(MIN_DOT, triton.next_power_of_2(n_queries))
@@ -51,7 +50,7 @@ def phase1_tiles(tokens: int, head_dim: int, n_sources: int, n_queries: int, gpu
 
 def phase2_tiles(tokens: int, head_dim: int, gpu: bool) -> tuple[dict, int]:
     """Phase 2's (BLOCK_M tokens, BLOCK_D columns) tile of one head and its warps: on a GPU 2048
-    elements over 4 warps (the backward keeps four such tiles live), no spills at d 2304."""
+    elements over 4 warps (the backward keeps four such tiles live), sized not to spill."""
     widest = triton.next_power_of_2(head_dim)
     block_d, budget = (min(widest, 512), 2048) if gpu else (min(widest, 1024), INTERPRETER_TILE)
     block_m = min(triton.next_power_of_2(tokens), max(1, budget // block_d))

@@ -16,9 +16,9 @@ from kernels.launch import Launch, compiled_for_gpu
 
 def tiles(rows: int, width: int, gpu: bool) -> tuple[dict, int]:
     """(BLOCK_M rows, BLOCK_D = the whole row) and warps. On a GPU the tile holds 4096 elements, 32 per
-    thread of 4 warps (more warps for rows over 4096): the backward keeps three such tiles live, and
-    at 8192 elements it took 240-255 registers and spilled at width 512 in fp32 on sm_80. Under the
-    CPU interpreter each program instance costs milliseconds, so the tile there is bigger."""
+    thread of 4 warps (more warps for rows over 4096): the backward keeps three such tiles live, so a
+    larger tile spills (measured in docs/BENCHMARKS.md, "Kernels"). Under the CPU interpreter each
+    program instance costs milliseconds, so the tile there is bigger."""
     block_d = triton.next_power_of_2(width)
     budget, num_warps = (4096, max(4, min(16, block_d // 1024))) if gpu else (1 << 16, 4)
     return dict(BLOCK_M=min(triton.next_power_of_2(rows), max(1, budget // block_d)), BLOCK_D=block_d), num_warps

@@ -49,8 +49,8 @@ class AttnResidual(ResidualMixer):
     def batches(self, state: DepthState) -> bool:
         """Whether reads take Algorithm 1's batched two-phase form: always with two_phase=true, and with
         two_phase=null where its fused kernels run. On the plain-torch reference the per-layer read computes
-        the same values faster (1.09x the baseline's step against 1.13-1.14x eager on CPU, docs/BENCHMARKS.md): the
-        batching saves kernel launches and reads of the blocks, which a CPU's reference does not pay for."""
+        the same values faster (measured in docs/BENCHMARKS.md, "Block's overhead per device"): the batching
+        saves kernel launches and reads of the blocks, which a CPU's reference does not pay for."""
         if not self.geometry.two_phase:
             return False
         return self.options.two_phase is True or fused(self.impl, self.options.kernel, state.blocks[0])
