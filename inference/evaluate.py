@@ -60,7 +60,7 @@ from inference.generate import GenerateError, export_config, find_export, load_e
 from inference.lm_eval_model import ExportedAttnResLM
 from trainer.lm_eval_model import AttnResLM, LMEvalError, pick_device
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
-from trainer.run_dir.safe_io import write_file
+from trainer.files.safe_io import write_file
 
 FUNCTION_TAG = "!function"
 # lm_eval parses task YAMLs with libyaml's safe loader when PyYAML has it (the pure-Python parser otherwise);

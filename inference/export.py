@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from model.config import ModelConfig
 from model.params import config_counts
 from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
-from trainer.run_dir.safe_io import LinkedPathError, check_still, held_path, open_dir
+from trainer.files.safe_io import LinkedPathError, check_still, held_path, open_dir
 from trainer.data.format import sha256_file
 from inference.hf.export import write_hf_export
 from trainer.trained import load_trained

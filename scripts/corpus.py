@@ -21,7 +21,7 @@ from trainer.data.documents import iter_documents
 from trainer.data.format import TOKENIZER_NAME, read_manifest
 from trainer.data.prepare import DEFAULT_VOCAB_SIZE, train_tokenizer
 from trainer.data.progress import log
-from trainer.run_dir.safe_io import write_file
+from trainer.files.safe_io import write_file
 
 # Prose and verse carry most of the weight; code and dictionary entries are a minority, and no source is
 # repeated more than about three times per pass of the blend at these sizes.

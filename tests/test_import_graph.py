@@ -90,6 +90,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def part_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The imports between the parts of `package` (its subpackages and modules, each taken whole), from the
+    module graph: a loop between parts is a loop between jobs even where no two modules import each other."""
+    depth = package.count(".") + 2
+    inside = [name for name in graph if name.startswith(package + ".")]
+    parts: dict[str, set[str]] = {}
+    for source in inside:
+        part = ".".join(source.split(".")[:depth])
+        targets = {".".join(target.split(".")[:depth]) for target in graph[source] if target.startswith(package + ".")}
+        parts.setdefault(part, set()).update(targets - {part})
+    return parts
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return [f"{source} -> {target}" for source, targets in sorted(graph.items()) for target in sorted(targets)
             if LAYERS.index(target.split(".")[0]) > LAYERS.index(source.split(".")[0])]
@@ -115,6 +128,10 @@ def test_no_import_cycle_between_modules():
     assert find_cycle(import_graph()) is None
 
 
+def test_no_import_cycle_between_the_parts_of_trainer():
+    assert find_cycle(part_graph(import_graph(), "trainer")) is None
+
+
 def test_the_graph_holds_known_imports_of_every_form():
     """`from x import y`, `from x.y import z` and a function-local import are all edges."""
     graph = import_graph()
@@ -129,3 +146,16 @@ def test_the_checks_find_an_upward_import_and_a_cycle():
     graph = {"parallel.a": {"parallel.b"}, "parallel.b": {"trainer.c"}, "trainer.c": {"parallel.a"}}
     assert find_cycle(graph) == ["parallel.a", "parallel.b", "trainer.c", "parallel.a"]
     assert upward_imports(graph) == ["parallel.b -> trainer.c"]
+
+
+def test_the_part_check_finds_a_loop_no_two_modules_close():
+    """Negative control: config -> data.samples, data.format -> run_dir.lock, run_dir.checkpoint -> config is a loop
+    of parts though no module imports one that imports it back; a module's imports within its own part are no edge."""
+    graph = {"trainer.config": {"trainer.data.samples"}, "trainer.data.samples": {"trainer.data.format"},
+             "trainer.data.format": {"trainer.run_dir.lock"}, "trainer.run_dir.lock": set(),
+             "trainer.run_dir.checkpoint": {"trainer.config", "trainer.run_dir.lock"}, "model.decoder": set()}
+    assert find_cycle(graph) is None
+    assert part_graph(graph, "trainer") == {"trainer.config": {"trainer.data"}, "trainer.data": {"trainer.run_dir"},
+                                            "trainer.run_dir": {"trainer.config"}}
+    assert find_cycle(part_graph(graph, "trainer")) == ["trainer.config", "trainer.data", "trainer.run_dir",
+                                                        "trainer.config"]

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from trainer.run_dir.safe_io import LinkedPathError, write_file
+from trainer.files.safe_io import LinkedPathError, write_file
 
 LEAST_DEFAULT_S = 300.0
 MEDIANS = 10

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.run_dir.safe_io import append_text, file_for_library, write_file
+from trainer.files.safe_io import append_text, file_for_library, write_file
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -37,9 +37,10 @@ from trainer.metrics import MetricsLogger, StepProfiler, entropy, peak_memory_mb
 from trainer.mfu import achieved, device_peak_tflops, float8_flop_share
 from trainer.hang import HangWatchdog
 from trainer.run_dir.finished import FINISHED_FILE, finished_step, record_finished
-from trainer.run_dir.lock import RunDirError, check_room, disk_full_error, is_disk_full, lock_run_dir
+from trainer.files.disk_space import is_disk_full
+from trainer.run_dir.lock import RunDirError, check_room, disk_full_error, lock_run_dir
 from trainer import retrofit
-from trainer.run_dir.safe_io import write_file
+from trainer.files.safe_io import write_file
 from trainer.optim import (build_optimizer, build_scheduler, lr_multiplier, schedules_agree, set_schedule_step,
                            tensor_parallel_slices, wsd_decay_start)
 

@@ -13,7 +13,7 @@ from inference.export import ExportError, _make_tmp, _write, export
 from parallel.dims import init_distributed
 from trainer.config import load_config
 from trainer.run_dir.checkpoint import latest_checkpoint, read_meta
-from trainer.run_dir.safe_io import held_path
+from trainer.files.safe_io import held_path
 from trainer.trainer import Trainer
 
 

@@ -26,7 +26,7 @@ from trainer.run_dir.checkpoint import (
     verify_checkpoint,
 )
 from trainer.run_dir.finished import record_finished
-from trainer.run_dir.safe_io import LinkedPathError, write_file
+from trainer.files.safe_io import LinkedPathError, write_file
 
 PLANTED = ("is a symlink (to {target}), planted after the start-up check: nothing is written or removed through "
            "a link, which could reach outside the directory being written; remove the link and run again")

@@ -25,7 +25,7 @@ from trainer.config import ConfigError, load_config
 from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.run_dir.lock import RunDirError, check_run_dir
 from trainer.metrics import keep_rows_up_to
-from trainer.run_dir.safe_io import LinkedPathError, append_text, first_link, write_file
+from trainer.files.safe_io import LinkedPathError, append_text, first_link, write_file
 from trainer.trained import load_trained
 from trainer.trainer import Trainer
 

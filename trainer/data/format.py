@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from trainer.data.sequence_index import SequenceIndexError, read_sequence_index
-from trainer.run_dir.lock import free_bytes, is_disk_full
+from trainer.files.disk_space import free_bytes, is_disk_full
 
 EOT_TOKEN = "<|endoftext|>"
 MANIFEST_NAME = "manifest.json"

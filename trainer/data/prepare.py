@@ -49,7 +49,7 @@ from trainer.data.format import (
 )
 from trainer.data.progress import log
 from trainer.data.shards import Part, ShardJob, merge_shards, shard_done, take_flock, wait_for_writers, write_shards
-from trainer.run_dir.safe_io import write_file
+from trainer.files.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192
 # tokenizers reads this to decide whether encode_batch runs on all cores; these values turn it off.

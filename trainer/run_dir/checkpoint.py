@@ -61,7 +61,7 @@ from parallel.failure import one_line
 from parallel.state_dict import from_global_state, to_global_state
 from trainer.config import ConfigError, config_from_saved
 from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
-from trainer.run_dir.safe_io import (LinkedPathError, check_still, held_dir, held_path, open_dir, remove_entry,
+from trainer.files.safe_io import (LinkedPathError, check_still, held_dir, held_path, open_dir, remove_entry,
                                      write_file)
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 from trainer.run_dir.checkpoint import CheckpointError
-from trainer.run_dir.safe_io import write_file
+from trainer.files.safe_io import write_file
 
 FINISHED_FILE = "finished.json"  # {"step": N}
 EXPECTED = '{"step": N}'

@@ -24,7 +24,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 import sys
 from datetime import datetime, timezone
@@ -32,14 +31,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.run_dir.safe_io import first_link
+from trainer.files.disk_space import free_bytes, nearest_existing
+from trainer.files.safe_io import first_link
 
 LOCK_FILE = ".trainer.lock"
 WANDB_DIR = "wandb"  # wandb's own directory, which holds its `latest-run` link
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# PyTorch's zip writer (torch.save, DCP shards) reports a short write to a full disk as this, without errno.
-TORCH_SHORT_WRITE = "unexpected pos"
 BYTES_PER_PARAM_IN_CHECKPOINT = 4 * 3  # fp32 weights + AdamW's two moments
 
 
@@ -222,7 +219,7 @@ def check_run_dir(run_dir: Path, n_params: int) -> None:
     """trainer.check's pre-flight, which changes nothing on disk: run_dir (or the parent it would be
     created in) is a writable directory, no live run holds it, and its filesystem has room for a checkpoint."""
     run_dir = Path(run_dir)
-    existing = _nearest_existing(run_dir)
+    existing = nearest_existing(run_dir)
     if not existing.is_dir():
         raise RunDirError(f"run.dir={run_dir} cannot be created: {existing} is a file; pick another run.dir")
     if not os.access(existing, os.W_OK | os.X_OK):  # also false for root on a read-only mount
@@ -248,40 +245,6 @@ def check_room(run_dir: Path, n_params: int) -> None:
 def checkpoint_bytes(n_params: int) -> int:
     """About what one checkpoint of an AdamW run takes on disk."""
     return n_params * BYTES_PER_PARAM_IN_CHECKPOINT
-
-
-def free_bytes(path: Path) -> int:
-    """Free space (for unprivileged users) on the filesystem holding path or its nearest existing parent."""
-    return shutil.disk_usage(_nearest_existing(Path(path))).free
-
-
-def _nearest_existing(path: Path) -> Path:
-    """path itself, or the closest parent of it that exists (where it would be created)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _errors_in(error: BaseException):
-    """error, its causes and contexts, and the per-rank failures a DCP CheckpointException gathers."""
-    seen, todo = set(), [error]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        todo += [current.__cause__, current.__context__]
-        todo += [failure for failure, _ in getattr(current, "failures", {}).values()]
-
-
-def is_disk_full(error: BaseException) -> bool:
-    for current in _errors_in(error):
-        if isinstance(current, OSError) and current.errno in DISK_FULL:
-            return True
-        if TORCH_SHORT_WRITE in str(current) or os.strerror(errno.ENOSPC) in str(current):
-            return True
-    return False
 
 
 def disk_full_error(run_dir: Path, step: int, latest: Path | None) -> RunDirError:
