@@ -16,8 +16,9 @@ Bytes per parameter (what the code does):
     (16 per parameter, bf16 autocast copies 2). Under pp (each chunk an FSDP root) parameters stay
     gathered from forward to backward and gradients are reduce-scattered once per step: the rank's
     whole stage gathered plus its unsharded fp32 gradients for the step. On CPU, gloo's all-gather and
-    reduce-scatter each stage a full-size copy (measured: +160 MiB for a 160 MiB collective, either
-    kind): one more unit gathered and one of fp32 gradients. NCCL writes into FSDP's buffers in place.
+    reduce-scatter each stage a full-size copy of the collective's large side (measured in
+    docs/BENCHMARKS.md, "Memory planner"): one more unit gathered and one of fp32 gradients. NCCL writes
+    into FSDP's buffers in place.
   Host memory at start-up: every layout slices/shards on the meta device and draws the initial weights
     one init unit at a time on the host (parallel/fill.py): 4 bytes per parameter of the largest unit.
   The AdamW step (fused=False: foreach on CUDA) needs one fp32 temporary as large as the rank's
