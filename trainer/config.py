@@ -7,6 +7,7 @@ and what is allowed, raised before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,11 +38,13 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
+    """The defaults are a CPU-sized run of model=s (`make train`: a few minutes on 2 cores); scale steps, seq_len
+    and the batches up on GPUs."""
     steps: int = 100
-    stop_after: int | None = None
+    stop_after: int | None = None     # stop cleanly (with a checkpoint) after this many steps of this launch
     seq_len: int = 128
-    micro_batch: int = 8
-    global_batch: int = 16
+    micro_batch: int = 8              # sequences per forward on one rank
+    global_batch: int = 16            # sequences per optimizer step over all ranks (accumulation fills the gap)
     log_every: int = 5
     eval_every: int = 25
     eval_batches: int = 8
@@ -49,10 +52,10 @@ class TrainConfig:
     keep_last: int = 3
     diag_every: int = 50
     grad_clip: float = 1.0
-    max_bad_steps: int = 5
-    schedule: str = "wsd"
+    max_bad_steps: int = 5            # consecutive non-finite steps before the run stops
+    schedule: str = "wsd"             # wsd | cosine
     warmup_steps: int = 10
-    decay_fraction: float = 0.2
+    decay_fraction: float = 0.2       # wsd: the last 20% of steps decay linearly
     min_lr_ratio: float = 0.1
     allow_lr_change: bool = False     # resume even if the new schedule's LR differs from the checkpoint's
     activation_checkpointing: str = "none"  # none | full | selective, per transformer block (parallel/activation_checkpoint.py)
@@ -70,7 +73,12 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"               # adamw | muon (Muon for 2-D weight matrices, AdamW at lr for the rest)
+    # Tuned for the baseline (configs/experiment/lr_sweep.yaml, model=s, seeds 0 and 1, docs/RESULTS.md): mean
+    # final loss 2e-3: 5.3357, 3e-3: 5.3376, 4e-3: 5.3357 (flat within 0.002; seed std ~0.03), 1e-3 and 8e-3
+    # worse; a parabola in log lr through the best three has its minimum at 2.4e-3. 3e-3 is kept; every
+    # variant reuses it unchanged (the paper's protocol), and each AttnRes variant's own best of
+    # {1.5e-3, 3e-3, 6e-3} is 3e-3 as well.
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -81,10 +89,12 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None
+    path: str | None = None           # null: Shakespeare; text files (.txt/.jsonl[.gz|.zst]/.parquet, a directory or
+                                      # glob), a prepared dataset, a Megatron prefix
     blend: list[Any] | None = None    # Megatron's --data-path: [0.3, PATH_A, 0.7, PATH_B] or [{weight, path}, ...]
     split: str = "98,2,0"             # train, valid, test shares of each source's documents (Megatron's --split)
-    cache_dir: str | None = None      # prepared datasets and megatron-core's sample indices (indices/)
+    cache_dir: str | None = None      # prepared datasets and megatron-core's sample indices (indices/); null:
+                                      # $ATTNRES_DATA_CACHE or ~/.cache/attnres/data
     tokenizer: str | None = None      # a tokenizers tokenizer.json to use instead of training a BPE
     document_masking: bool = False    # no token sees an earlier document of its window (model/documents.py)
     prepare_workers: int = 1          # processes tokenising input files at once
@@ -147,7 +157,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 1234
-    resume: str = "auto"
+    resume: str = "auto"              # auto: the newest complete checkpoint in run.dir; never; or a checkpoint path
     init_from: str | None = None      # a run or checkpoint whose weights start a fresh run (trainer/retrofit.py)
 
 
@@ -157,16 +167,20 @@ class Config:
 GROUP_SCHEMAS = {"model": ModelConfig, "variant": ResidualConfig, "optim": OptimConfig, "parallel": ParallelConfig}
 
 
+@functools.cache  # Hydra's ConfigStore lives as long as the process: once is enough
 def register_schemas() -> None:
-    """Store each group's schema in Hydra's ConfigStore as `schema/<group>: <group>`."""
+    """Store in Hydra's ConfigStore what configs/config.yaml's defaults list starts with, the one place every
+    default is written: each group's schema as `schema/<group>: <group>`, and `schema/settings`, the defaults of
+    every setting outside the groups. Every loader calls it before composing (load_config, trainer.main)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     for group, schema in GROUP_SCHEMAS.items():
         store.store(group=f"schema/{group}", name=group, node=schema, package=group)
-
-
-register_schemas()
+    # Untyped, as a YAML file's values are: to_typed checks their types, so a bad value is one line naming its key.
+    settings = OmegaConf.to_container(OmegaConf.structured(Config))
+    store.store(group="schema", name="settings", package="_global_",
+                node={key: value for key, value in settings.items() if key not in GROUP_SCHEMAS})
 
 
 CHOICES = {
@@ -561,6 +575,7 @@ def load_config(overrides: list[str] | None = None) -> Config:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
+    register_schemas()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             raw = compose(config_name="config", overrides=list(overrides or []))

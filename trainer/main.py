@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel.dims import init_distributed, shutdown
 from parallel.failure import FailureBoard, one_line, watch_for_failures
-from trainer.config import CONFIG_DIR, ConfigError, to_typed
+from trainer.config import CONFIG_DIR, ConfigError, register_schemas, to_typed
 from trainer.trainer import KNOWN_ERRORS, Trainer
 
 
@@ -61,4 +61,5 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    register_schemas()  # before @hydra.main composes configs/config.yaml, whose defaults list names them
     main()
