@@ -2,21 +2,27 @@
 
     python -m scripts.compare experiment=quick [seeds=[0,1]] [train.steps=50 ...]
     python -m scripts.compare experiment=cpu_repro shard=0/2   # worker 0 of 2 (and shard=1/2 beside it)
-    python -m scripts.compare runs=[runs/a,runs/b] [report_dir=reports/mine]   # report only
-    python -m scripts.compare --report-only runs/a runs/b [--out reports/mine]
+    python -m scripts.compare experiment=long_blend_tuned report_only=true [runs_dir=DIR] [report_dir=DIR]
+    python -m scripts.compare runs=[runs/a,runs/b] [report_dir=reports/mine]   # report only, these runs
+    python -m scripts.compare runs='runs/quick/*' [runs=PATTERN ...] [report_dir=reports/mine]
 
 Each run trains in this process into runs/<experiment>/<run>-s<seed>. A run whose newest checkpoint
 is at train.steps, or that finished.json records as finished, is skipped (so a finished run's checkpoints
 may be deleted to free disk); an unfinished one resumes (resume=auto). A finished.json its checkpoints
 contradict is not believed (finished_at). Under torchrun every rank
 walks the same plan, so the runs train data-parallel. The report goes to reports/<experiment>/.
-Runs launched elsewhere (a cluster) are reported with runs=[...] or --report-only. A shard trains its
+An experiment with a tuning stage (`tune:`, scripts/experiments.py) trains it first; each arm's runs on the full
+budget start once every run of the stage has finished, at the arm's chosen value.
+report_only=true writes the report of the experiment's runs that have started (and its imports and tuning
+sweep), naming those that have not, and trains nothing. Runs launched elsewhere (a cluster) are reported with
+runs=[...] or runs=PATTERN (a glob; several runs= items are reported in their order). A shard trains its
 share and writes no report: run the experiment once more without `shard` when every worker is done
 (it skips the finished runs and reports on all of them).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import shutil
 import sys
 import time
@@ -26,9 +32,10 @@ from omegaconf import OmegaConf
 
 from parallel.dims import init_distributed, shutdown
 from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
-from scripts.experiments import Evaluation, Experiment, load_experiment, split_overrides
+from scripts.experiments import Evaluation, Experiment, PlannedRun, load_experiment
 from scripts.report import build_report
-from scripts.report.runs import EVAL_FILE, read_jsonl
+from scripts.report.runs import EVAL_FILE, Run, read_jsonl
+from scripts.report.tuning import choose, sweep_losses
 from trainer.run_dir.checkpoint import STEP_DIR, latest_checkpoint
 from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.config import ConfigError, load_config
@@ -99,29 +106,68 @@ def ensure_evaluation(run_dir: Path, evaluation: Evaluation | None, say) -> None
         shutil.rmtree(export_dir, ignore_errors=True)
 
 
-def train_experiment(experiment: Experiment) -> list[Path]:
-    """Train every planned run of this worker that is not finished; returns the run directories in plan
-    order (none for a shard: the report needs every worker's runs)."""
-    info = init_distributed()
-    say = progress if info.is_main else (lambda line: None)
-    mine = experiment.my_runs()
-    total = len(mine)
-    configs = [load_config(run.overrides) for run in mine]
-    for run, cfg in zip(mine, configs):
+def done_steps(run_dir: Path, say) -> int:
+    return max(completed_steps(run_dir), finished_at(run_dir, say))
+
+
+def train_runs(runs: list[PlannedRun], evaluation: Evaluation | None, info, say, stage: str = "") -> None:
+    """Train every run of `runs` that is not finished (an unfinished one resumes)."""
+    total = len(runs)
+    configs = [load_config(run.overrides) for run in runs]
+    for run, cfg in zip(runs, configs):
         refuse_to_retrain(run.run_dir, cfg.train.steps)
-    for k, (run, cfg) in enumerate(zip(mine, configs), start=1):
-        done = max(completed_steps(run.run_dir), finished_at(run.run_dir, say))
+    for k, (run, cfg) in enumerate(zip(runs, configs), start=1):
+        done = done_steps(run.run_dir, say)
         if done >= cfg.train.steps:
-            say(f"{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
+            say(f"{stage}{k}/{total} {run.name}: finished ({done}/{cfg.train.steps} steps), skipped")
         else:
             state = f"resuming at step {done}" if done else "training"
-            say(f"{k}/{total} {run.name}: {state} to {cfg.train.steps} steps in {run.run_dir}")
+            say(f"{stage}{k}/{total} {run.name}: {state} to {cfg.train.steps} steps in {run.run_dir}")
             started = time.perf_counter()
             Trainer(cfg, info).fit()
-            say(f"{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
+            say(f"{stage}{k}/{total} {run.name}: done in {time.perf_counter() - started:.0f} s")
         if info.world_size == 1:
             ensure_depth_matrix(run.run_dir, say)
-            ensure_evaluation(run.run_dir, experiment.evaluation, say)
+            ensure_evaluation(run.run_dir, evaluation, say)
+
+
+def tuned_values(experiment: Experiment, say) -> dict[str, float] | None:
+    """Each arm's chosen value, once every run of the tuning stage has finished (any worker's); None before,
+    with a line naming the runs still to finish."""
+    unfinished = [run for run in experiment.tuning.runs
+                  if done_steps(run.run_dir, say) < load_config(run.overrides).train.steps]
+    if unfinished:
+        say(f"tuning stage: {len(unfinished)} of {len(experiment.tuning.runs)} runs not finished "
+            f"({', '.join(run.name for run in unfinished)}); the runs on the full budget wait for them: run this "
+            "again once they are")
+        return None
+    values = {}
+    for arm in experiment.arms:
+        runs = [Run.load(run.run_dir) for run in experiment.tuning.runs if run.arm == arm.name]
+        choice = choose(sweep_losses(runs, experiment.tuning.key))
+        if choice is None:
+            raise ConfigError(f"tuning stage: run {arm.name} has no value whose runs all finished with a validation "
+                              "loss; check its tuning runs' metrics.jsonl")
+        values[arm.name] = choice.value
+        edge = "; at the edge of the values tried: widen the sweep" if choice.at_edge else ""
+        say(f"tuning stage: {arm.name} chooses {experiment.tuning.key}={choice.value:g} "
+            f"(mean final loss {choice.losses[choice.value]:.4f}){edge}")
+    return values
+
+
+def train_experiment(experiment: Experiment) -> list[Path]:
+    """Train every planned run of this worker that is not finished, the tuning stage first; returns the run
+    directories in plan order (none for a shard: the report needs every worker's runs; none while the tuning
+    stage waits for another worker's runs)."""
+    info = init_distributed()
+    say = progress if info.is_main else (lambda line: None)
+    if experiment.tuning is not None and experiment.tuning.trained:
+        train_runs(experiment.my_runs(experiment.tuning.runs), experiment.evaluation, info, say, "tuning ")
+        values = tuned_values(experiment, say)
+        if values is None:
+            return []
+        experiment.runs = experiment.tuned_runs(values)
+    train_runs(experiment.my_runs(), experiment.evaluation, info, say)
     if experiment.shard is not None:
         say(f"shard {experiment.shard[0]}/{experiment.shard[1]} done; once every shard is, run "
             f"`python -m scripts.compare experiment={experiment.name}` without shard= for the report")
@@ -129,39 +175,75 @@ def train_experiment(experiment: Experiment) -> list[Path]:
     return [run.run_dir for run in experiment.runs] if info.is_main else []
 
 
+def experiment_report(experiment: Experiment, say) -> Path:
+    """The report of the experiment's runs and imports that have started (those not yet started are named in
+    it), with its tuning sweep where it has one."""
+    if experiment.tuning is not None and experiment.tuning.trained and not experiment.runs:
+        values = tuned_values(experiment, say)
+        experiment.runs = experiment.tuned_runs(values) if values is not None else []
+    planned = [*experiment.imports, *(run.run_dir for run in experiment.runs)]
+    sweep = [run.run_dir for run in experiment.tuning.runs] if experiment.tuning is not None else []
+    started = [path for path in planned if (path / "config.yaml").is_file()]
+    missing = [str(path) for path in planned + sweep if not (path / "config.yaml").is_file()]
+    if not started:
+        raise ConfigError(f"experiment {experiment.name}: no run has started yet, so there is nothing to report "
+                          f"(planned: {', '.join(str(path) for path in planned) or 'none before its tuning stage'})")
+    return build_report(started, experiment.report_dir, f"Comparison report: experiment {experiment.name}", missing,
+                        experiment.tuning.key if experiment.tuning is not None else None,
+                        [path for path in sweep if (path / "config.yaml").is_file()])
+
+
+def run_dirs_of(items: list[str]) -> list[str]:
+    """The run directories of every runs= item in order: a list ([a,b]) or a glob pattern (runs/*-s?), sorted."""
+    found = []
+    for item in items:
+        if item.startswith("["):
+            found += [str(path) for path in OmegaConf.from_dotlist([f"runs={item}"]).runs]
+        else:
+            matches = sorted(glob.glob(item))
+            if not matches:
+                raise ConfigError(f"runs={item} matches no directory; give run directories as runs=[DIR,...] or a "
+                                  "pattern such as runs=runs/quick/*")
+            found += matches
+    return found
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="experiment=NAME, runs=[DIRS], seeds=[...], runs_dir=, "
-                                                     "report_dir=, shard=K/N, and trainer overrides for every run")
-    parser.add_argument("--report-only", nargs="+", metavar="RUN_DIR", help="only build the report from these runs")
-    parser.add_argument("--out", help="report directory for --report-only / runs= (default reports/<experiment>)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("overrides", nargs="*", help="experiment=NAME, seeds=[...], runs_dir=, report_dir=, shard=K/N, "
+                                                     "report_only=true, runs=[DIRS] or runs=PATTERN (report only), "
+                                                     "and trainer overrides for every run")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    options = {item.split("=", 1)[0]: item.split("=", 1)[1] for item in args.overrides if "=" in item}
+    pairs = [item.split("=", 1) for item in args.overrides if "=" in item]
+    options = dict(pairs)
     name = options.get("experiment", "quick")
-    report_only = args.report_only
-    if report_only is None and "runs" in options:
-        report_only = list(OmegaConf.from_dotlist([f"runs={options['runs']}"]).runs)
     started = time.perf_counter()
     try:
-        if report_only:
-            tool, _ = split_overrides(args.overrides)
-            report_dir = args.out or OmegaConf.from_dotlist(tool).get("report_dir") or f"reports/{name}"
-            report = build_report(list(report_only), report_dir, f"Comparison report: {len(report_only)} runs")
+        report_only = options.get("report_only", "false").lower()
+        if report_only not in ("true", "false"):
+            raise ConfigError(f"report_only={options['report_only']} must be true or false")
+        if "runs" in options:
+            run_dirs = run_dirs_of([value for key, value in pairs if key == "runs"])
+            report = build_report(run_dirs, options.get("report_dir") or f"reports/{name}",
+                                  f"Comparison report: {len(run_dirs)} runs")
         else:
             rest = [item for item in args.overrides if item.split("=", 1)[0] != "experiment"]
-            experiment = load_experiment(name, rest)
-            share = f", this worker's share (shard {experiment.shard[0]}/{experiment.shard[1]}): " \
-                    f"{len(experiment.my_runs())}" if experiment.shard else ""
-            progress(f"experiment {experiment.name}: {len(experiment.runs)} runs{share}")
-            run_dirs = train_experiment(experiment)
-            if not run_dirs:
-                return
-            report = build_report(run_dirs, args.out or experiment.report_dir,
-                                  f"Comparison report: experiment {experiment.name}")
+            experiment = load_experiment(name, rest, resolve=report_only == "false")
+            if report_only == "false":
+                share = f", this worker's share (shard {experiment.shard[0]}/{experiment.shard[1]}): " \
+                        f"{len(experiment.my_runs())}" if experiment.shard and experiment.runs else ""
+                tuning = f" after a tuning stage of {len(experiment.tuning.runs)}" \
+                    if experiment.tuning is not None and experiment.tuning.trained else ""
+                progress(f"experiment {experiment.name}: {len(experiment.runs) or len(experiment.arms)} "
+                         f"{'runs' if experiment.runs else 'arms'}{tuning}{share}")
+                if not train_experiment(experiment):
+                    return
+            report = experiment_report(experiment, progress)
     except (ConfigError, *KNOWN_ERRORS) as error:
         progress(f"error: {str(error).splitlines()[0]}")
         sys.exit(2)

@@ -12,9 +12,24 @@ from scripts.report.sanity import sanity_section
 from scripts.report.runs import Group, Run, group_runs
 from scripts.report.stats import PowerLaw, compute_multiplier, fit_power_law
 from scripts.report.table import PAIRED_NOTE, Row, build_rows, recipe_lines, to_markdown
+from scripts.report.tuning import choices, each_tuned_groups, tuning_section
 
 FLOPS_NOTE = ("FLOPs are training FLOPs (forward + backward) from `model/flops.py`: 6 x activated matmul parameters "
               "per token plus MLA attention, the KDA recurrence and the depth reads.")
+
+
+LABELS = ("interval excludes 0", "not separable from 0 with n=")
+
+
+def intervals_line(text: str) -> str:
+    """How many 95% intervals the report labels, and what one in twenty by chance means for that many."""
+    labelled = sum(text.count(label) for label in LABELS)
+    excluding = text.count(LABELS[0])
+    return (f"**Intervals.** This report labels {labelled} 95% intervals (a comparison shown in two places counts "
+            f"twice); {excluding} of them exclude 0. At 95%, about one interval in twenty excludes 0 by chance where "
+            f"there is no difference (about {labelled / 20:.1f} of {labelled} here), so one label alone is weak "
+            "evidence. The table's Holm column adjusts each setting's comparisons against its baseline for their "
+            "number.")
 
 
 def slug(text: str) -> str:
@@ -138,19 +153,33 @@ def matrix_section(groups: list[Group], out_dir: Path) -> list[str]:
             *rows, ""]
 
 
-def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) -> Path:
-    """Write out_dir/report.md and its PNG figures; returns the report's path."""
+def runs_line(runs: list[Run], missing: list[str]) -> str:
+    line = f"{len(runs)} runs: " + ", ".join(f"`{run.path}`" for run in runs) + "."
+    if missing:
+        line += (f" Not started yet, so not in this report ({len(missing)}): "
+                 + ", ".join(f"`{path}`" for path in missing) + ".")
+    return line
+
+
+def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str, missing: list[str] = (),
+                 tuning_key: str | None = None, tuning_dirs: list[str | Path] = ()) -> Path:
+    """Write out_dir/report.md and its PNG figures; returns the report's path. `missing`: planned runs not
+    started, named in the report. With `tuning_key`, the sweep in `tuning_dirs` chooses each arm's value of it:
+    the report shows the sweep and adds the "each tuned" setting beside the shared ones."""
     runs = [Run.load(path) for path in run_dirs]  # a run the report cannot read fails before anything is written
+    sweep = [Run.load(path) for path in tuning_dirs]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    rows = build_rows(groups)
-    lines = [f"# {title}", "",
-             f"{len(runs)} runs: " + ", ".join(f"`{run.path}`" for run in runs) + ".", "",
+    chosen = choices(sweep, tuning_key) if tuning_key else {}
+    compared = groups + (each_tuned_groups(runs, tuning_key, chosen) if tuning_key else [])
+    rows = build_rows(compared)
+    lines = [f"# {title}", "", runs_line(runs, list(missing)), "",
+             *(tuning_section(sweep, tuning_key, chosen) if tuning_key else []),
              "## Final validation loss", "", to_markdown(rows), "", PAIRED_NOTE, "", *ordering(rows), "",
              *recipe_lines(groups),
-             *sanity_section(groups),
-             *multiplier_section(groups, out_dir),
+             *sanity_section(compared),
+             *multiplier_section(compared, out_dir),
              *downstream_section(groups),
              "## Loss curves", "", FLOPS_NOTE, "",
              image(curves.loss_vs_tokens(groups, out_dir / "loss_vs_tokens.png"), "validation loss vs tokens"),
@@ -184,6 +213,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path, title: str) ->
         lines += [f"## Block-size sweep ({size})", "", image(figure, "block-size sweep"), ""]
     lines += lr_section(groups, out_dir)
     lines += scaling_section(groups, out_dir)
+    lines[4:4] = [intervals_line("\n".join(lines)), ""]  # after the title and the list of runs
     report = out_dir / "report.md"
     report.write_text("\n".join(lines).rstrip() + "\n")
     return report

@@ -2,7 +2,9 @@
 loss, divided by the tokens the variant took, at every evaluation of the variant. The baseline's tokens are
 interpolated on its own curve in log tokens, seed by seed (the baseline of the same seed), then summarised
 over seeds. A constant multiplier is a constant compute advantage (the paper: Block AttnRes matches a
-baseline trained with 1.25x the compute); one that falls towards 1 is early-training acceleration.
+baseline trained with 1.25x the compute); one that falls towards 1 is early-training acceleration. Beside it,
+marin's compute-equivalent speedup: the baseline's compute to reach the variant's loss over the variant's
+compute, which is the multiplier times the baseline's FLOPs per token over the variant's.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from pathlib import Path
 
 from scripts.report.figure import new_figure, palette, save
 from scripts.report.runs import Group, Run
-from scripts.report.stats import interval_label, paired, t_interval
+from scripts.report.stats import paired, t_interval
 from scripts.report.table import baseline_of
+from scripts.report.trend import trend, window_steps
+from trainer.optim import lr_multiplier
 
 BEYOND = "beyond the baseline's curve"
 BEFORE = "before the baseline's first evaluation"
@@ -95,44 +99,30 @@ def multiplier_points(variant: Group, base: Group) -> list[Point]:
     return [points[step] for step in sorted(points)]
 
 
-@dataclass(frozen=True)
-class Trend:
-    """Whether the multiplier falls towards 1 or settles: per seed, a least-squares line of the multiplier
-    against log2 tokens over the evaluations before any LR decay where every seed has one. Its slope is the
-    change per doubling of tokens: the paper's constant advantage is 0, early acceleration alone negative.
-    The line's ends stand in for the first and last single evaluation, which are as noisy as any other."""
-    first: Point
-    last: Point
-    evaluations: int
-    lines: dict[int, tuple[float, float]]  # seed -> (slope per doubling, intercept at 1 token)
-
-    def fitted(self, tokens: int) -> float:
-        """The seeds' mean line at `tokens`."""
-        return statistics.fmean(slope * math.log2(tokens) + intercept for slope, intercept in self.lines.values())
-
-    def text(self) -> str:
-        """'steps 50-700 (14 evaluations): the line runs from 1.31 at 0.05M tokens to 1.15 at 0.72M; per
-        doubling -0.044 ± 0.001 [-0.054, -0.034]: falling on every seed, interval excludes 0'."""
-        slopes = [slope for slope, _ in self.lines.values()]
-        spread = ""
-        if len(slopes) > 1:
-            low, high = t_interval(slopes)
-            spread = f" ± {statistics.stdev(slopes):.3f} [{low:+.3f}, {high:+.3f}]"
-        return (f"steps {self.first.step}-{self.last.step} ({self.evaluations} evaluations): the line runs from "
-                f"{self.fitted(self.first.tokens):.2f} at {self.first.tokens / 1e6:.2f}M tokens to "
-                f"{self.fitted(self.last.tokens):.2f} at {self.last.tokens / 1e6:.2f}M; per doubling "
-                f"{statistics.fmean(slopes):+.3f}{spread}: " + interval_label(slopes, below="falling", above="rising"))
+def speedup_points(points: list[Point], variant: Group, base: Group) -> list[Point]:
+    """The compute-equivalent speedup at the same evaluations: each seed's multiplier times the baseline's
+    training FLOPs per token over the variant's (the same seed's runs)."""
+    ratio = {run.seed: next(b for b in base.runs if b.seed == run.seed).flops_per_token / run.flops_per_token
+             for run in variant.runs if any(b.seed == run.seed for b in base.runs)}
+    return [Point(p.step, p.tokens, {seed: value if isinstance(value, str) else value * ratio[seed]
+                                     for seed, value in p.by_seed.items()}, p.decay) for p in points]
 
 
-def trend(points: list[Point]) -> Trend | None:
-    """The multiplier's Trend over `points`' complete evaluations before any decay; None with fewer than 3."""
-    stable = [p for p in points if p.complete and not p.decay]
-    if len(stable) < 3:
-        return None
-    log_tokens = [math.log2(p.tokens) for p in stable]
-    lines = {seed: tuple(statistics.linear_regression(log_tokens, [p.by_seed[seed] for p in stable]))
-             for seed in stable[0].by_seed}
-    return Trend(stable[0], stable[-1], len(stable), lines)
+def decay_rule(base: Group) -> str:
+    """Where the † rule falls in this setting, as multiplier_points applies it: the first evaluation that
+    follows an update of the LR decay, and the baseline's last evaluation before it (matched tokens past it
+    are interpolated towards an evaluation in the decay)."""
+    run = base.runs[0]
+    train = run.config.train
+    first_decay = next((u for u in range(train.warmup_steps, train.steps) if lr_multiplier(u, train) < 1), None)
+    stable = [r for r in run.evaluations if not run.in_decay(r["step"])]
+    if first_decay is None or not stable:
+        return f"{DECAY_MARK}: none here (no evaluation lies in an LR decay)."
+    last = stable[-1]
+    return (f"{DECAY_MARK} here: the variant's evaluation follows an update of the LR decay (the decay's updates "
+            f"start at step {first_decay + 1}, so every evaluation after step {first_decay} is marked), or the "
+            f"baseline tokens matched exceed {last['tokens'] / 1e6:.2f}M, the baseline's last evaluation before "
+            f"its decay (step {last['step']}), so they are interpolated towards an evaluation in the decay.")
 
 
 def at_budget(points: list[Point], steps: int) -> list[Point]:
@@ -205,30 +195,42 @@ def multiplier_section(groups: list[Group], out_dir: Path) -> list[str]:
              "1 is no advantage; the paper's Block AttnRes matches a baseline trained with 1.25x the compute. "
              f"{BEYOND[0].upper() + BEYOND[1:]}: the baseline never reaches that loss in its run (no "
              f"extrapolation). {DECAY_MARK}: the variant's evaluation, or the baseline tokens it is matched to, "
-             "lie in an LR decay, where the loss falls for the schedule's sake as well as the tokens'. The trend "
-             "below each table takes the evaluations before the decay where every seed has a multiplier: per seed a "
-             "least-squares line against log2 tokens; the seeds' mean line at the first and last of them, and its "
-             "slope per doubling of tokens, mean ± sd [95% interval]. A slope of 0 is a constant advantage, a "
-             "negative one a shrinking one.", "",
+             "lie in an LR decay, where the loss falls for the schedule's sake as well as the tokens' (each "
+             "setting says where that falls). The compute-equivalent speedup (marin's) is the baseline's compute "
+             "to reach the variant's loss over the variant's compute: the multiplier times the baseline's "
+             "training FLOPs per token over the variant's. The trend below each table takes one window for every "
+             "variant of the setting: the evaluations before the decay where every variant and seed has a "
+             "multiplier. Per seed a least-squares line against log2 tokens, its slope per doubling of tokens "
+             "± its standard error; the measured means at the window's first, middle and last evaluation beside "
+             "the line's ends. A slope of 0 is a constant advantage, a negative one a shrinking one. A line that "
+             "a bend in log tokens fits better (F-test, 5%) is said to fit poorly; an interval across seeds is "
+             "labelled only with 3 seeds or more.", "",
              f"![token multiplier]({figure.name})", ""]
     for setting, by_variant in curves.items():
         steps = next(g for g in groups if g.size == setting).runs[0].config.train.steps
-        some = at_budget(next(iter(by_variant.values())), steps)
-        header = " | ".join(f"{fraction:.0%} (step {p.step}, {p.tokens / 1e6:.2f}M tokens)"
-                            for fraction, p in zip(BUDGET_FRACTIONS, some))
-        lines += [f"**{setting}**", "", f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
-        lines += [f"| {variant} | " + " | ".join(cell(p.text(), p, column)
-                                                for p, column in zip(at_budget(points, steps), some)) + " |"
-                  for variant, points in by_variant.items()]
-        trends = [(variant, trend(points)) for variant, points in by_variant.items()]
+        columns = at_budget(next(iter(by_variant.values())), steps)
+        header = (" | ".join(f"{fraction:.0%} (step {p.step}, {p.tokens / 1e6:.2f}M tokens)"
+                             for fraction, p in zip(BUDGET_FRACTIONS, columns)))
+        table_head = [f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
+
+        def rows(text_of) -> list[str]:
+            return [f"| {variant} | " + " | ".join(cell(text_of(variant, p), p, column)
+                                                  for p, column in zip(at_budget(points, steps), columns)) + " |"
+                    for variant, points in by_variant.items()]
+
+        base = pairs[(setting, next(iter(by_variant)))][1]
+        speedups = {variant: {p.step: p for p in speedup_points(points, *pairs[(setting, variant)])}
+                    for variant, points in by_variant.items()}
+        lines += [f"**{setting}**", "", decay_rule(base), "", *table_head,
+                  *rows(lambda variant, p: p.text()),
+                  "", "Compute-equivalent speedup at the same evaluations:", "", *table_head,
+                  *rows(lambda variant, p: speedups[variant][p.step].text())]
+        window = window_steps(by_variant)
+        trends = [(variant, trend(points, window)) for variant, points in by_variant.items()]
         if any(found for _, found in trends):
-            lines += ["", "The multiplier's trend before the LR decay:", ""]
+            lines += ["", "The multiplier's trend before the LR decay, over one window for every variant:", ""]
             lines += [f"- {variant}: {found.text()}" for variant, found in trends if found]
-        lines += ["", f"Validation loss minus the baseline's at the same evaluations (paired by seed, mean ± sd: "
-                      "the noise label of its 95% interval):", "",
-                  f"| variant | {header} |", "|---|" + "---|" * len(BUDGET_FRACTIONS)]
-        lines += [f"| {variant} | " + " | ".join(cell(difference_text(*pairs[(setting, variant)], p.step), p, column)
-                                                for p, column in zip(at_budget(points, steps), some)) + " |"
-                  for variant, points in by_variant.items()]
-        lines.append("")
+        lines += ["", "Validation loss minus the baseline's at the same evaluations (paired by seed, mean ± sd: "
+                      "the noise label of its 95% interval):", "", *table_head,
+                  *rows(lambda variant, p: difference_text(*pairs[(setting, variant)], p.step)), ""]
     return lines

@@ -1,5 +1,5 @@
-"""Numbers the report states: seed statistics, paired differences with their Student-t interval and noise
-label, power-law fits, compute multipliers."""
+"""Numbers the report states: seed statistics, paired differences with their Student-t interval, p-value and
+noise label, Holm's adjustment of a family of them, power-law fits, compute multipliers."""
 from __future__ import annotations
 
 import math
@@ -59,6 +59,14 @@ class Paired:
         return t_interval(self.diffs)
 
     @property
+    def p(self) -> float | None:
+        """The two-sided p-value of the paired t (n - 1 degrees of freedom): below 0.05 exactly where the 95%
+        interval excludes 0. None with one seed."""
+        if self.t is None:
+            return None
+        return float(2 * scipy_stats.t.sf(abs(self.t), self.n - 1))
+
+    @property
     def excludes_zero(self) -> bool:
         return interval_excludes_zero(self.diffs)
 
@@ -92,6 +100,19 @@ def interval_label(values, below: str, above: str) -> str:
     agreeing = sum(1 for v in values if (v < 0) == (mean < 0) and v != 0)
     seeds = "on every seed" if agreeing == n else f"on average ({agreeing} of {n} seeds)"
     return f"{below if mean < 0 else above} {seeds}, interval excludes 0"
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in their order: the k-th smallest is multiplied by
+    (m - k + 1), capped at 1, and never below the adjusted value of a smaller one. An adjusted value below 0.05
+    keeps the family's chance of any false 'excludes 0' at 5%."""
+    m = len(p_values)
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=p_values.__getitem__)):
+        running = max(running, min(1.0, (m - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> Paired | None:

@@ -6,14 +6,17 @@ import statistics
 from dataclasses import dataclass
 
 from scripts.report.runs import Group
-from scripts.report.stats import Paired, mean_std, paired
+from scripts.report.stats import Paired, holm, mean_std, paired
 from scripts.report.sweeps import final_losses
 
 PAIRED_NOTE = ("Paired: this row minus the reference at the same seed (same data order, same initial weights for "
                "the parameters both have), over the seeds both finished; mean ± sd of those differences, n, "
                "t = mean / (sd / sqrt(n)) and its 95% Student-t interval (n - 1 degrees of freedom: with n=2 the "
                "interval is 12.7 standard errors wide each side, so only a difference that both seeds agree on "
-               "closely excludes 0). Negative: a lower loss than the reference.")
+               "closely excludes 0). Negative: a lower loss than the reference. Holm: the paired t's two-sided p-value, and "
+               "Holm's adjustment of it over the setting's comparisons against its baseline (m of them): the "
+               "family's chance of any false 'excludes 0' is 5% where the adjusted p is below 0.05, against about "
+               "one in twenty for each interval alone.")
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Row:
     flops: float
     step_time: float | None
     step_ratio: float | None    # step time over the baseline's
+    holm: tuple[float, int] | None = None  # vs_baseline's p-value adjusted over its setting's m comparisons, m
 
 
 def baseline_of(group: Group, groups: list[Group]) -> Group | None:
@@ -55,6 +59,10 @@ def build_rows(groups: list[Group]) -> list[Row]:
                         flops=statistics.fmean(run.tokens * run.flops_per_token for run in group.runs),
                         step_time=step_time,
                         step_ratio=step_time / base_time if step_time and base_time else None))
+    for size in dict.fromkeys(row.group.size for row in rows):
+        family = [row for row in rows if row.group.size == size and row.vs_baseline and row.vs_baseline.p is not None]
+        for row, adjusted in zip(family, holm([row.vs_baseline.p for row in family])):
+            row.holm = adjusted, len(family)
     return rows
 
 
@@ -76,10 +84,19 @@ def paired_cells(diff: Paired | None) -> str:
 PAIRED_HEADER = "paired diff (mean ± sd) | n | t | 95% interval | noise"
 
 
+def holm_cell(row: Row) -> str:
+    """'p=0.0271, Holm p=0.0813 (m=3): above 0.05'; '-' where there is no p-value."""
+    if row.holm is None:
+        return "-"
+    adjusted, m = row.holm
+    return (f"p={row.vs_baseline.p:.4f}, Holm p={adjusted:.4f} (m={m}): "
+            + ("below 0.05" if adjusted < 0.05 else "above 0.05"))
+
+
 def to_markdown(rows: list[Row]) -> str:
-    lines = [f"| setting | variant | seeds | final val loss (mean ± sd) | vs baseline: {PAIRED_HEADER} | tokens "
+    lines = [f"| setting | variant | seeds | final val loss (mean ± sd) | vs baseline: {PAIRED_HEADER} | Holm | tokens "
              "| FLOPs | s/step | step time / baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         unfinished = [r for r in row.group.runs if not r.finished]
         seeds = ",".join(str(r.seed) for r in row.group.runs)
@@ -87,7 +104,7 @@ def to_markdown(rows: list[Row]) -> str:
         if unfinished:
             loss += f" (unfinished: {', '.join(f'{r.name} at {r.steps}/{r.config.train.steps}' for r in unfinished)})"
         lines.append(f"| {row.group.size} | {row.group.variant} | {seeds} | {loss} | {paired_cells(row.vs_baseline)} "
-                     f"| {row.tokens:,.0f} | {row.flops:.3g} | {_fmt(row.step_time, '.3f')} "
+                     f"| {holm_cell(row)} | {row.tokens:,.0f} | {row.flops:.3g} | {_fmt(row.step_time, '.3f')} "
                      f"| {_fmt(row.step_ratio, '.2f')} |")
     return "\n".join(lines)
 

@@ -48,8 +48,8 @@ def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_datas
     assert steps_logged(run_dir) == [1, 2, 3, 4]
     assert (tmp_path / "report" / "report.md").is_file()
 
-    compare.main(["--report-only", str(run_dir), "--out", str(tmp_path / "only")])
-    assert (tmp_path / "only" / "report.md").is_file()
+    compare.main([f"runs={run_dir.parent}/*", f"report_dir={tmp_path / 'only'}"])
+    assert f"1 runs: `{run_dir}`." in (tmp_path / "only" / "report.md").read_text()
 
 
 def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_wiped(tmp_path, tiny_dataset,
@@ -126,7 +126,7 @@ def test_unknown_experiment_is_one_clear_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert ("experiment='nope' is not one of ablations | controls | controls_long | cpu_repro | long_blend | "
-            "long_blend_lr | lr_sweep | muon_lr_sweep | quick | scaling") in err
+            "long_blend_lr | long_blend_tuned | lr_sweep | muon_lr_sweep | quick | scaling") in err
 
 
 def test_the_long_blend_grid_without_its_corpus_location_is_one_clear_line(capsys, monkeypatch, tmp_path):
@@ -208,3 +208,82 @@ def test_the_quick_experiment_evaluates_on_the_local_tasks():
     assert evaluation.tasks == ["attnres_local"]
     manager = task_manager_for(evaluation.tasks, LOCAL_TASKS)
     assert {"attnres_mc_words", "attnres_gen_words"} <= set(manager.all_tasks)
+
+
+def tuned_experiment(tmp_path, tiny_dataset):
+    """Baseline and Block S=2 (xs), a tuning stage of 2 steps at two learning rates, seed 0, then 3 steps at each
+    arm's chosen rate."""
+    shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=3) if not o.startswith("run.dir=")]
+    experiment = tmp_path / "tuned.yaml"
+    experiment.write_text(json.dumps({
+        "seeds": [0], "shared": shared, "tune": {"key": "optim.lr", "values": [3e-2, 3e-3], "steps": 2, "seeds": [0]},
+        "runs": [{"name": "base", "overrides": ["variant=baseline"]},
+                 {"name": "block", "overrides": ["variant=block", "variant.block_size=2"]}]}))
+    return [f"experiment={experiment}", f"runs_dir={tmp_path / 'runs'}", f"report_dir={tmp_path / 'report'}"]
+
+
+def last_val_loss(run_dir):
+    return [json.loads(line)["val_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("val_loss") is not None][-1]
+
+
+def test_a_tuning_stage_is_sharded_and_each_arm_trains_at_its_own_best_value(tmp_path, tiny_dataset, capsys):
+    tool = tuned_experiment(tmp_path, tiny_dataset)
+    tune = tmp_path / "runs" / "tune"
+    compare.main([*tool, "shard=0/2"])  # the sweep's plan: base at 0.003, 0.03, block at 0.003, 0.03
+    assert sorted(path.name for path in tune.iterdir()) == ["base-lr0.003-s0", "block-lr0.003-s0"]
+    assert ("[compare] tuning stage: 2 of 4 runs not finished (base-lr0.03-s0, block-lr0.03-s0); the runs on the "
+            "full budget wait for them: run this again once they are") in capsys.readouterr().err.splitlines()
+    compare.main([*tool, "shard=1/2"])  # the rest of the sweep, then its share of the full-budget runs
+    chosen = {arm: min((0.003, 0.03), key=lambda lr: last_val_loss(tune / f"{arm}-lr{lr:g}-s0"))
+              for arm in ("base", "block")}
+    full = [f"{arm}-lr{chosen[arm]:g}-s0" for arm in ("base", "block")]
+    assert not (tmp_path / "runs" / full[0]).exists() and steps_logged(tmp_path / "runs" / full[1]) == [1, 2, 3]
+    compare.main([*tool, "shard=0/2"])
+    compare.main(tool)  # every run finished: the report
+    for arm, name in zip(("base", "block"), full):
+        assert steps_logged(tmp_path / "runs" / name) == [1, 2, 3]
+        config = (tmp_path / "runs" / name / "config.yaml").read_text()
+        assert f"lr: {chosen[arm]}" in config
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| arm | seeds | 0.003 | 0.03 | chosen |" in report
+    for arm, variant in (("base", "baseline"), ("block", "block S=2")):
+        # two values: every choice is at an edge of the values tried
+        side = "lowest" if chosen[arm] == 0.003 else "highest"
+        assert (f"- **xs {variant}: the choice {chosen[arm]:g} is the {side} value tried, so the optimum may lie "
+                "beyond it: widen the sweep.**") in report
+    tuned_rows = [line for line in report.splitlines() if line.startswith("| xs each tuned |")]
+    assert [row.split(" | ")[1] for row in tuned_rows] == ["baseline", "block S=2"]
+    block_minus_base = last_val_loss(tmp_path / "runs" / full[1]) - last_val_loss(tmp_path / "runs" / full[0])
+    assert f"| {block_minus_base:+.4f} | 1 |" in tuned_rows[1]
+
+
+@pytest.mark.parametrize("by_value, value, edge", [
+    ({1e-3: {0: 4.80, 1: 4.90}, 2e-3: {0: 4.70, 1: 4.86}, 4e-3: {0: 4.75, 1: 4.70}}, 4e-3, True),  # 4.725 < 4.78
+    ({1e-3: {0: 4.80}, 2e-3: {0: 4.70}, 4e-3: {0: 4.75}}, 2e-3, False),
+    # seed 1 only at 1e-3 and 4e-3: the paired mean is over seed 0, the seed every value has
+    ({1e-3: {0: 4.80, 1: 4.00}, 2e-3: {0: 4.70}, 4e-3: {0: 4.75, 1: 4.10}}, 2e-3, False),
+])
+def test_the_choice_is_the_lowest_paired_mean_and_an_edge_choice_is_flagged(by_value, value, edge):
+    from scripts.report.tuning import choose
+
+    choice = choose(by_value)
+    assert choice.value == value and choice.at_edge == edge
+    assert choice.seeds == ((0, 1) if value == 4e-3 else (0,))
+
+
+def test_report_only_names_the_planned_runs_not_started(tmp_path, tiny_dataset, capsys):
+    _, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "baseline")
+    with pytest.raises(SystemExit):
+        compare.main([*tool, "report_only=true"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"[compare] error: experiment tiny: no run has started yet, so there is nothing to report (planned: {run_dir})")
+    compare.main([*tool, "seeds=[0,1]", "shard=0/2"])  # seed 0 only
+    compare.main([*tool, "seeds=[0,1]", "report_only=true"])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert (f"1 runs: `{run_dir}`. Not started yet, so not in this report (1): "
+            f"`{run_dir.parent / 'xs-baseline-s1'}`.") in report
+    assert not (run_dir.parent / "xs-baseline-s1").exists()
+    with pytest.raises(SystemExit):
+        compare.main([*tool, "report_only=yes"])
+    assert capsys.readouterr().err.splitlines()[-1] == "[compare] error: report_only=yes must be true or false"

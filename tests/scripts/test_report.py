@@ -294,7 +294,7 @@ def test_a_corrupt_line_elsewhere_is_one_error_naming_file_and_line(tmp_path, ti
     lines[1] = lines[1][:25]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit) as exit_info:
-        compare.main(["--report-only", str(run_dir), "--out", str(tmp_path / "report")])
+        compare.main([f"runs=[{run_dir}]", f"report_dir={tmp_path / 'report'}"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith(f"[compare] error: {run_dir / 'metrics.jsonl'}:2: not a JSON line (")
@@ -302,9 +302,9 @@ def test_a_corrupt_line_elsewhere_is_one_error_naming_file_and_line(tmp_path, ti
 
 
 def report_error(capsys, run_dir, out) -> str:
-    """compare --report-only on run_dir: exit code 2, one `[compare] error:` line, and no report written."""
+    """compare runs=[run_dir]: exit code 2, one `[compare] error:` line, and no report written."""
     with pytest.raises(SystemExit) as exit_info:
-        compare.main(["--report-only", str(run_dir), "--out", str(out)])
+        compare.main([f"runs=[{run_dir}]", f"report_dir={out}"])
     assert exit_info.value.code == 2 and not out.exists()
     lines = capsys.readouterr().err.splitlines()
     assert not any("Traceback" in line for line in lines)

@@ -9,12 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.report.multiplier import (BEFORE, BEYOND, Point, at_budget, baseline_tokens_to_reach, cell, difference_text,
-                                      multiplier_points, trend)
-from scripts.report.runs import Run, group_runs
+from model.flops import training_flops_per_token
+from scripts.report.build import intervals_line
+from scripts.report.multiplier import (BEFORE, BEYOND, Point, at_budget, baseline_tokens_to_reach, cell, decay_rule,
+                                      difference_text, multiplier_points, speedup_points)
+from scripts.report.runs import Group, Run, group_runs
 from scripts.report.sanity import setting_lines
-from scripts.report.stats import Paired
+from scripts.report.stats import Paired, holm
 from scripts.report.table import baseline_of, paired_groups
+from scripts.report.trend import trend, window_steps
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 # Student's t quantiles in closed form: df=1 is the Cauchy distribution, tan(pi (p - 1/2)); df=2 is
@@ -176,28 +179,73 @@ def test_controls_long_multiplier_falls_with_tokens_and_marks_the_decay():
 
 
 def test_trend_is_flat_for_a_constant_multiplier_and_recovers_a_known_fall():
-    """Multipliers 1.25 at every evaluation: slope 0. 1.4 - 0.05 per doubling on one seed and 1.5 - 0.07 on the other:
-    the mean slope, the interval of the two, the line's ends; decay and incomplete evaluations are left out."""
+    """Multipliers 1.25 at every evaluation: slope 0. Straight falls of 0.05, 0.07 and 0.06 per doubling on three
+    seeds: each seed's slope, standard error 0, the interval across seeds and its label; decay and incomplete
+    evaluations are left out. With two seeds no interval is labelled (1 degree of freedom)."""
     tokens = [1000 * 2 ** k for k in range(6)]
-    constant = [Point(k + 1, t, {0: 1.25, 1: 1.25}, False) for k, t in enumerate(tokens)]
-    flat = trend(constant)
-    assert flat.evaluations == 6 and flat.fitted(tokens[-1]) == pytest.approx(1.25)
-    assert flat.text().endswith("per doubling +0.000 ± 0.000 [+0.000, +0.000]: not separable from 0 with n=2")
-    falling = [Point(k + 1, t, {0: 1.4 - 0.05 * k, 1: 1.5 - 0.07 * k}, False) for k, t in enumerate(tokens)]
-    falling += [Point(7, 64000, {0: 0.5, 1: 0.5}, True), Point(8, 128000, {0: BEYOND, 1: 1.0}, False)]
+    flat = trend([Point(k + 1, t, {0: 1.25, 1: 1.25}, False) for k, t in enumerate(tokens)])
+    assert flat.evaluations == 6 and flat.fitted(tokens[-1]) == pytest.approx(1.25) and not flat.fits_poorly
+    assert flat.text().endswith("seed 0 +0.000 ± 0.000; seed 1 +0.000 ± 0.000 (slope ± standard error); "
+                                "mean +0.000: no interval across 2 seeds")
+    falls = {0: 0.05, 1: 0.07, 2: 0.06}
+    falling = [Point(k + 1, t, {seed: 1.5 - fall * k for seed, fall in falls.items()}, False)
+               for k, t in enumerate(tokens)]
+    falling += [Point(7, 64000, {0: 0.5, 1: 0.5, 2: 0.5}, True), Point(8, 128000, {0: BEYOND, 1: 1.0, 2: 1.0}, False)]
     found = trend(falling)
-    assert found.last.step == 6 and found.evaluations == 6
-    assert found.lines[0][0] == pytest.approx(-0.05) and found.lines[1][0] == pytest.approx(-0.07)
-    half = T975[1] * statistics.stdev([-0.05, -0.07]) / math.sqrt(2)
-    assert found.text() == (f"steps 1-6 (6 evaluations): the line runs from 1.45 at 0.00M tokens to 1.15 at 0.03M; "
-                            f"per doubling -0.060 ± 0.014 [{-0.06 - half:+.3f}, {-0.06 + half:+.3f}]: "
-                            "not separable from 0 with n=2")
+    assert found.last.step == 6 and found.evaluations == 6 and not found.fits_poorly
+    for seed, fall in falls.items():
+        assert found.lines[seed].slope == pytest.approx(-fall) and found.lines[seed].slope_se == pytest.approx(0,
+                                                                                                               abs=1e-12)
+    half = T975[2] * statistics.stdev([-0.05, -0.07, -0.06]) / math.sqrt(3)
+    assert found.text() == (
+        "steps 1-6 (6 evaluations): measured mean 1.50 at 0.00M, 1.38 at 0.00M, 1.20 at 0.03M; the line runs from "
+        "1.50 to 1.20; per doubling seed 0 -0.050 ± 0.000; seed 1 -0.070 ± 0.000; seed 2 -0.060 ± 0.000 (slope ± "
+        f"standard error); mean -0.060 ± 0.010 [{-0.06 - half:+.3f}, {-0.06 + half:+.3f}]: falling on every seed, "
+        "interval excludes 0")
     assert trend(falling[:2]) is None
+
+
+def test_a_fall_that_happens_early_is_said_to_fit_the_line_poorly():
+    """1 + 0.4 * 2^-k: most of the fall is in the first two doublings. The quadratic term's F-test finds the
+    bend (p computed here from the two fits' residuals), so the text reads the measured values, not the slope."""
+    from scipy import stats
+
+    tokens = [250_000 * 2 ** (k / 2) for k in range(8)]
+    values = [1 + 0.4 * 2 ** -k for k in range(8)]
+    found = trend([Point(k + 1, int(t), {0: v, 1: v + 0.01}, False) for k, (t, v) in enumerate(zip(tokens, values))])
+    x = np.log2([int(t) for t in tokens])
+    line_ssr = np.sum((np.array(values) - np.polyval(np.polyfit(x, values, 1), x)) ** 2)
+    bend_ssr = np.sum((np.array(values) - np.polyval(np.polyfit(x, values, 2), x)) ** 2)
+    expected = stats.f.sf((line_ssr - bend_ssr) / (bend_ssr / 5), 1, 5)
+    assert found.lines[0].bend_p == pytest.approx(expected, rel=1e-6) and expected < 0.05
+    se = math.sqrt(line_ssr / 6 / np.sum((x - x.mean()) ** 2))
+    assert found.lines[0].slope_se == pytest.approx(se, rel=1e-9)
+    assert found.fits_poorly and "**the line fits poorly** (a bend in log tokens fits better: seed 0 p=" in found.text()
+    assert found.text().endswith("so read the measured values, not the slope")
+
+
+def test_every_variant_of_long_blend_takes_the_same_window_for_its_trend():
+    """x0's multiplier at step 2000 is matched to baseline tokens past the baseline's last evaluation before its
+    decay (step 2250), so it is marked †; the window for every variant ends at step 1750."""
+    groups = group_runs([Run.load(path) for path in sorted((RESULTS / "long_blend" / "runs").iterdir())
+                         if "-lr" not in path.name])  # the grid, without long_blend_lr's sweep
+    base = group(groups, "s", "baseline")
+    by_variant = {g.variant: multiplier_points(g, base) for g in groups if g is not base}
+    steps = window_steps(by_variant)
+    assert steps == list(range(250, 2000, 250))
+    x0 = {p.step: p for p in by_variant["x0"]}
+    assert x0[2000].decay and x0[2000].complete and not x0[1750].decay
+    for points in by_variant.values():
+        assert [p.step for p in trend(points, steps).window] == steps
+    assert decay_rule(base) == (
+        "† here: the variant's evaluation follows an update of the LR decay (the decay's updates start at step 2401, "
+        "so every evaluation after step 2400 is marked), or the baseline tokens matched exceed 2.30M, the baseline's "
+        "last evaluation before its decay (step 2250), so they are interpolated towards an evaluation in the decay.")
 
 
 def test_controls_long_trend_is_an_independent_least_squares_slope_per_seed():
     """Block S=4 falls by 0.044 per doubling of tokens on both seeds before the decay (steps 50-700); the slope
-    by hand is cov(log2 tokens, multiplier) / var(log2 tokens) per seed."""
+    by hand is cov(log2 tokens, multiplier) / var(log2 tokens) per seed, its standard error from the residuals."""
     groups = load_groups("controls_long")
     block = group(groups, "s", "block S=4")
     points = multiplier_points(block, baseline_of(block, groups))
@@ -207,9 +255,56 @@ def test_controls_long_trend_is_an_independent_least_squares_slope_per_seed():
     for seed in (0, 1):
         y = [p.by_seed[seed] for p in stable]
         slope = statistics.covariance(x, y) / statistics.variance(x)
-        assert found.lines[seed][0] == pytest.approx(slope, rel=1e-9)
+        intercept = statistics.fmean(y) - slope * statistics.fmean(x)
+        residuals = [v - (slope * u + intercept) for u, v in zip(x, y)]
+        se = math.sqrt(sum(r * r for r in residuals) / (len(x) - 2) / sum((u - statistics.fmean(x)) ** 2 for u in x))
+        assert found.lines[seed].slope == pytest.approx(slope, rel=1e-9)
+        assert found.lines[seed].slope_se == pytest.approx(se, rel=1e-9)
+        assert f"seed {seed} {slope:+.3f} ± {se:.3f}" in found.text()
     assert (found.first.step, found.last.step) == (50, 700)
-    assert found.text().endswith("falling on every seed, interval excludes 0")
+
+
+def test_holm_matches_a_hand_computation_and_the_p_value_a_t_test():
+    """p = 0.01, 0.04, 0.03, 0.005: sorted, 4 x 0.005 = 0.02, 3 x 0.01 = 0.03, 2 x 0.03 = 0.06, 1 x 0.04 = 0.04
+    raised to 0.06 (never below a smaller p's)."""
+    from scipy import stats
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    diffs = (0.0181, 0.0205)
+    assert Paired(diffs).p == pytest.approx(stats.ttest_1samp(diffs, 0).pvalue, rel=1e-9)
+    assert (Paired(diffs).p < 0.05) == Paired(diffs).excludes_zero
+
+
+def test_compute_speedup_is_the_multiplier_times_the_flops_per_token_ratio_on_synthetic_curves():
+    """A variant with Full's FLOPs per token that reaches, at t tokens, the baseline's loss at 1.3 t: multiplier
+    1.3, compute-equivalent speedup 1.3 x (the baseline's FLOPs per token / Full's)."""
+    groups = load_groups("controls_long")
+    base_run, full_run = group(groups, "s", "baseline").runs[0], group(groups, "s", "full").runs[0]
+    tokens = [50_000 * 2 ** k for k in range(6)]
+
+    def with_curve(run, scale):
+        rows = [{"step": k + 1, "tokens": t, "step_time_s": 1.0, "loss": v, "val_loss": v}
+                for k, (t, v) in enumerate(zip(tokens, straight_in_log([scale * t for t in tokens])))]
+        return Run(run.path, run.config, rows, [])
+
+    base = Group("s", "baseline", [with_curve(base_run, 1.0)])
+    variant = Group("s", "full", [with_curve(full_run, 1.3)])
+    points = [p for p in multiplier_points(variant, base) if p.complete]
+    ratio = (training_flops_per_token(base_run.config.model, base_run.config.train.seq_len)["total"]
+             / training_flops_per_token(full_run.config.model, full_run.config.train.seq_len)["total"])
+    assert ratio != pytest.approx(1.0, abs=1e-4) and len(points) == 5
+    for point, speedup in zip(points, speedup_points(points, variant, base)):
+        assert point.values == pytest.approx([1.3]) and speedup.values == pytest.approx([1.3 * ratio])
+
+
+def test_the_report_states_how_many_intervals_it_labels():
+    text = "\n".join(["x: not separable from 0 with n=2", "y: ahead on every seed, interval excludes 0",
+                      "z: not separable from 0 with n=3 | again: not separable from 0 with n=3", "n=1: no interval"])
+    assert intervals_line(text).startswith("**Intervals.** This report labels 4 95% intervals (a comparison shown "
+                                           "in two places counts twice); 1 of them exclude 0. At 95%, about one "
+                                           "interval in twenty excludes 0 by chance where there is no difference "
+                                           "(about 0.2 of 4 here)")
 
 
 def test_budget_columns_take_the_nearest_evaluation_and_name_another_step():
