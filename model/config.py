@@ -62,9 +62,11 @@ class ModelConfig:
     n_dense_layers: int = 1         # first blocks use dense SwiGLU instead of MoE
     mla_every: int = 4              # 3 KDA : 1 MLA; the last block is always MLA
     norm_eps: float = 1e-5
-    init: str = "scaled"            # scaled | flat (model/init.py)
+    init: str = "scaled"            # scaled (embedding std 1, output projections / sqrt(L), head d^-0.5) | flat (all
+                                    # init_std; model/init.py)
     init_std: float = 0.02          # input-side projections; the scheme derives the other stds from it
-    kernel_impl: str = "auto"       # auto | reference | triton: fused kernels (AttnRes two-phase read, PreNorms)
+    kernel_impl: str = "auto"       # auto (Triton on CUDA, plain torch elsewhere) | reference | triton: fused kernels
+                                    # (AttnRes two-phase read, PreNorms)
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
