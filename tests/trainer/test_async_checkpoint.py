@@ -62,7 +62,7 @@ def test_a_process_killed_with_a_save_in_flight_resumes_from_the_previous_checkp
     assert not (run / "checkpoints" / "step_00000004").exists()  # at most its .tmp-step_00000004
 
     trainer = Trainer(load_config(overrides), init_distributed())
-    assert trainer.resumed_from == run / "checkpoints" / "step_00000002"
+    assert trainer.resumed.path == run / "checkpoints" / "step_00000002"
     trainer.fit()
     reference = tmp_path / "uninterrupted"
     train(fast_train_overrides(reference, tiny_dataset, steps=6, **ASYNC))

@@ -34,7 +34,8 @@ from trainer.run_dir.checkpoint import (
 )
 from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.trainer import Trainer, rng_state, set_rng_state
+from trainer.rng_state import rng_state, set_rng_state
+from trainer.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +383,7 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_prev
 
     previous = sorted((run / "checkpoints").glob("step_*"))[-2]
     trainer = train(fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2, "train.keep_last": 3}))
-    assert trainer.resumed_from == previous
+    assert trainer.resumed.path == previous
     [skip_line] = [line for line in capfd.readouterr().err.splitlines() if "skipping" in line]
     assert skip_line.startswith(f"resume=auto: skipping checkpoint {newest} {reason}")
     # metrics.jsonl now holds the steps after `previous` as this launch redid them: bitwise the same.

@@ -25,6 +25,7 @@ from trainer.config import ConfigError, load_config
 from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.run_dir.lock import RunDirError, check_run_dir
 from trainer.metrics import keep_rows_up_to
+from trainer.resume import restore_extra
 from trainer.files.safe_io import LinkedPathError, append_text, first_link, write_file
 from trainer.trained import load_trained
 from trainer.trainer import Trainer
@@ -245,7 +246,7 @@ def test_a_meta_json_nested_past_the_parser_is_one_line(run):
 
 @pytest.fixture(scope="module")
 def fresh_trainer(tmp_path_factory, tiny_dataset):
-    """A trainer that has resumed from nothing, to hand extra states to."""
+    """A trainer that has resumed from nothing, whose sampler takes the extra states handed to restore_extra."""
     made = trainer(tmp_path_factory.mktemp("fresh") / "run", tiny_dataset)
     yield made
     made.close()
@@ -265,7 +266,7 @@ def test_an_edited_extra_field_is_refused_in_one_line(finished_run, fresh_traine
     extra = json.loads((path / "extra" / "rank_0.json").read_text())
     change(extra)
     with pytest.raises(CheckpointError) as refused:
-        fresh_trainer._restore_extra(path, extra, 6)
+        restore_extra(path, extra, 6, 0, fresh_trainer.sampler)
     assert one_line(refused).startswith(f"checkpoint {path}: extra/rank_0.json {problem}")
 
 
@@ -302,7 +303,7 @@ def test_every_reader_of_a_run_answers_mutations_with_one_line_or_a_value(finish
             answer(lambda: read_meta(path))
     extra = json.loads((source / "extra" / "rank_0.json").read_text())
     for what, mutated in mutated_documents(extra, seed=5, count=80):
-        answer(lambda: fresh_trainer._restore_extra(path, mutated, 6))
+        answer(lambda: restore_extra(path, mutated, 6, 0, fresh_trainer.sampler))
     pinned_dir = tmp_path / "checkpoints"
     for what, mutated in mutated_documents(["step_00000003", "step_00000006"], seed=6, count=30):
         (pinned_dir / "pinned.json").write_text(json.dumps(mutated))
