@@ -72,7 +72,7 @@ DATA_TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag) |
 YAML_SUFFIXES = (".yaml", ".yml")
 TRUST_HINT = "pass allow_task_code=true only if you trust that directory's code"
 TEMPLATE_SHOWN = 80  # characters of a refused template the error line quotes
-PREPARE_HINT = "prepare text with python -m scripts.prepare_data --source TEXT --tokenizer {tokenizer}"
+PREPARE_HINT = "prepare text with python -m scripts.prepare_data source=TEXT tokenizer={tokenizer}"
 
 
 @dataclass

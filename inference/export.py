@@ -92,7 +92,7 @@ def parse_key_values(argv: list[str], schema: type, error: type[Exception]):
         key, value = arg.split("=", 1)
         if key not in fields:
             raise error(f"unknown key {key!r}; valid keys: {', '.join(fields)}")
-        if "str" in str(fields[key].type):  # annotations are strings here: "str | None"
+        if str(fields[key].type) in ("str", "str | None", "<class 'str'>"):  # not list[str]: a YAML list
             verbatim[key] = value
         else:
             typed.append(arg)

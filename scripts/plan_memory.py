@@ -1,28 +1,30 @@
 """Plan the memory per rank of a training layout (parallel/memory_plan.py), or find the layouts that fit.
 
     python -m scripts.plan_memory model=kimi_linear_48b parallel.fsdp=8 parallel.ep=8 train.seq_len=4096 \
-        train.micro_batch=1 --gpus 64 --gpu-mem-gib 80 [train.activation_checkpointing=full] [--search]
+        train.micro_batch=1 gpus=64 gpu_mem_gib=80 [train.activation_checkpointing=full] [search=true]
     python -m scripts.plan_memory model=kimi_linear_48b train.seq_len=131072 train.micro_batch=1 \
-        variant.two_phase=false --gpus 64 --gpu-mem-gib 80 --search   # 128K tokens: fits with parallel.cp
-    python -m scripts.plan_memory --check-cpu     # real CPU runs at model=m, planned vs measured peak
+        variant.two_phase=false gpus=64 gpu_mem_gib=80 search=true   # 128K tokens: fits with parallel.cp
+    python -m scripts.plan_memory check_cpu=true     # real CPU runs at model=m, planned vs measured peak
 
-Overrides are the trainer's (Hydra, trainer.config.load_config); parallel.* are read by the planner itself,
+Keys other than the planner's own are the trainer's overrides (trainer.config.load_config); parallel.* are read
+by the planner itself,
 so layouts the trainer refuses today can still be planned (the output says whether it runs them).
 Without train.global_batch the pipeline is planned in its steady state (enough microbatches to fill it).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from parallel.dims import Degrees
 from parallel.memory_plan import GIB, MIB, MODES, Plan, plan, search
+from scripts.cli import key, parse
 from trainer.config import ConfigError, load_config, validate
 
 LAYOUT_KEYS = ("dp", "fsdp", "cp", "pp", "vp", "tp", "ep")
@@ -69,12 +71,12 @@ def parse_layout(overrides: list[str], gpus: int) -> tuple[Degrees, list[str]]:
             rest.append(item)
     ranks = values.get("fsdp", 1) * values.get("cp", 1) * values.get("pp", 1) * values.get("tp", 1)
     if gpus % ranks:
-        raise PlanError(f"--gpus {gpus} is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp "
+        raise PlanError(f"gpus={gpus} is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp "
                         f"= {ranks}")
     values.setdefault("dp", gpus // ranks)
     layout = Degrees(**values)
     if layout.world != gpus:
-        raise PlanError(f"parallel.dp * fsdp * cp * pp * tp = {layout.world} does not match --gpus {gpus}")
+        raise PlanError(f"parallel.dp * fsdp * cp * pp * tp = {layout.world} does not match gpus={gpus}")
     return layout, rest
 
 
@@ -211,7 +213,7 @@ def check_cpu(args) -> None:
     print(f"{'layout':<8} {'ckpt':<6} {'planned MiB':>11} {'measured MiB':>12} {'ratio':>6} {'step s':>7} "
           f"{'state MiB':>9} {'load':>5}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, nproc, extra in [run for run in CPU_RUNS if run[0] in args.layouts.split(",")]:
+        for name, nproc, extra in [run for run in CPU_RUNS if run[0] in args.layouts]:
             layout = {"single": Degrees(), "dp2": Degrees(dp=2), "fsdp2": Degrees(fsdp=2),
                       "pp2": Degrees(pp=2), "fsdp2_tp2": Degrees(fsdp=2, tp=2)}[name]
             for mode in ("none", "full"):
@@ -225,31 +227,32 @@ def check_cpu(args) -> None:
                       f"{state:>9.0f} {os.getloadavg()[0]:>5.2f}", flush=True)
 
 
+@dataclass
+class Args:
+    gpus: int = key(1, "devices in the job")
+    gpu_mem_gib: float = key(80.0, "memory per device")
+    headroom: float = key(0.10, "share of device memory kept free (fragmentation, NCCL buffers)")
+    device: str = key("cuda", "the plan's device", choices=("cuda", "cpu"))
+    capacity: float = key(1.25, "routed rows per ep rank over the mean (load imbalance), ep > 1 only")
+    runtime_mib: float = key(0.0, "process baseline added to the plan (CPU)")
+    search: bool = key(False, "list the layouts that fit, best first")
+    runnable: bool = key(False, "search=true: only layouts the trainer accepts today")
+    top: int = key(20, "search=true: how many layouts to list")
+    check_cpu: bool = key(False, "real CPU runs at model=m: planned vs measured")
+    layouts: list[str] = key(["single", "dp2", "fsdp2", "pp2"], "check_cpu=true: which runs",
+                             choices=tuple(run[0] for run in CPU_RUNS))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*",
-                        help="trainer overrides (model=..., parallel.fsdp=..., parallel.cp=..., train.seq_len=...)")
-    parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--gpu-mem-gib", type=float, default=80.0)
-    parser.add_argument("--headroom", type=float, default=0.10, help="share of GPU memory kept free (default 0.10)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--capacity", type=float, default=1.25,
-                        help="routed rows per ep rank over the mean (load imbalance), ep > 1 only (default 1.25)")
-    parser.add_argument("--runtime-mib", type=float, default=0.0, help="process baseline added to the plan (CPU)")
-    parser.add_argument("--search", action="store_true", help="list the layouts that fit, best first")
-    parser.add_argument("--runnable", action="store_true", help="--search: only layouts the trainer accepts today")
-    parser.add_argument("--top", type=int, default=20)
-    parser.add_argument("--check-cpu", action="store_true", help="real CPU runs at model=m: planned vs measured")
-    parser.add_argument("--layouts", default="single,dp2,fsdp2,pp2", help="--check-cpu: which runs (also fsdp2_tp2: 4 processes)")
-    args = parser.parse_intermixed_args(argv)
+    args, overrides = parse(Args, __doc__, argv, trainer_overrides=True)
     try:
         if args.gpus < 1 or args.gpu_mem_gib <= 0 or not 0 <= args.headroom < 1:
-            raise PlanError(f"--gpus={args.gpus} must be >= 1, --gpu-mem-gib={args.gpu_mem_gib:g} > 0 and "
-                            f"--headroom={args.headroom:g} in [0, 1)")
+            raise PlanError(f"gpus={args.gpus} must be >= 1, gpu_mem_gib={args.gpu_mem_gib:g} > 0 and "
+                            f"headroom={args.headroom:g} in [0, 1)")
         if args.check_cpu:
             check_cpu(args)
         else:
-            run_plan(args, args.overrides)
+            run_plan(args, overrides)
     except (PlanError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -6,18 +6,25 @@ P(P-1)/2 * N_p + (V-1) * P(P-1) * N_p, and what our stages send per transition (
 b_0 and the partial sums of blocks that straddle a cut shown separately); then, beside it, what the
 baseline (its running sum) and mHC (its m = 4 streams) send.
 
-    python -m scripts.pp_comm_volume --pp 4 --vp 2 [--model s] [hydra overrides...]
+    python -m scripts.pp_comm_volume pp=4 [vp=2] [model=s] [trainer overrides...]
 """
 from __future__ import annotations
 
-import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from model.residual import DepthGeometry
 from parallel.pipeline.plan import PipelinePlan
-from trainer.config import load_config
+from scripts.cli import fail, key, one_line_errors, parse
+from trainer.config import ConfigError, load_config
 
 MHC_STREAMS = 4  # the paper's mHC (configs/variant/mhc.yaml)
+
+
+@dataclass
+class Args:
+    pp: int | None = key(None, "pipeline stages P (required)")
+    vp: int = key(1, "virtual stages per rank V")
+    model: str = key("s", "configs/model/ size")
 
 
 def volumes(plan: PipelinePlan) -> dict:
@@ -40,14 +47,12 @@ def volumes(plan: PipelinePlan) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--vp", type=int, default=1)
-    parser.add_argument("--model", default="s")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    cfg = load_config([f"model={args.model}", *args.overrides]).model
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse(Args, __doc__, argv, trainer_overrides=True)
+    with one_line_errors(ConfigError):
+        cfg = load_config([f"model={args.model}", *overrides]).model
+    if args.pp is None or args.pp < 1 or args.vp < 1:
+        fail(f"pp={args.pp} and vp={args.vp} must be positive integers, pp= is required: e.g. pp=4 vp=2")
     print(f"model={args.model} variant={cfg.residual.variant} blocks={cfg.n_blocks} block_size={DepthGeometry.of(cfg).size} "
           f"P={args.pp} V={args.vp} d={cfg.d_model}")
     for cache in (False, True):

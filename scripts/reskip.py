@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from parallel.engine import cross_entropy
+from scripts.cli import key, one_line_errors, parse
 from scripts.depth_matrix import token_matrices
 from trainer.run_dir.checkpoint import CheckpointError
-from inference.export import parse_key_values, run_cli
 from trainer.trained import load_trained
 
 
@@ -44,13 +44,13 @@ class ReSkipError(ValueError):
 
 @dataclass
 class ReSkipArgs:
-    checkpoint: str | None = None
-    out: str | None = None
-    batches: int = 4
-    ks: str = "0,1,2,4,8"
-    random_seeds: int = 3
-    decode_tokens: int = 16
-    repeats: int = 3
+    checkpoint: str | None = key(None, "a run directory or one of its checkpoints (required)")
+    out: str | None = key(None, "where reskip.json and reskip.png go (null: RUN/reskip/)")
+    batches: int = key(4, "validation batches: importance and val_loss")
+    ks: str = key("0,1,2,4,8", "numbers of sublayers skipped, comma-separated")
+    random_seeds: int = key(3, "random skip orders averaged")
+    decode_tokens: int = key(16, "tokens per timed decode loop")
+    repeats: int = key(3, "timed repeats (median)")
 
 
 def importance(matrices: torch.Tensor) -> list[float]:
@@ -190,8 +190,9 @@ def reskip(args: ReSkipArgs) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, __doc__, lambda a: reskip(parse_key_values(a, ReSkipArgs, ReSkipError)),
-            (ReSkipError, CheckpointError, FileNotFoundError))
+    args = parse(ReSkipArgs, __doc__, argv)
+    with one_line_errors(ReSkipError, CheckpointError, FileNotFoundError):
+        print(reskip(args))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ roofline launches of scripts.kernel_report (model=m, bf16, one 8K-token microbat
 read and the widest RMSNorm) timed on the device, bytes from kernel_report.fused_bytes. A memory-bound
 kernel near 1.0 moves its bytes as fast as a plain copy; a kernel or tile change should raise its fraction.
 
-    python -m scripts.gpu_checks.bandwidth --out DIR [--rehearse]    (rehearsal: the copy bandwidth of the
+    python -m scripts.gpu_checks.bandwidth out=DIR [rehearse=true]    (rehearsal: the copy bandwidth of the
                                                                       host's memory, bytes of every launch)
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from scripts.gpu_checks.result import Result, parse_args
 SIZE, DTYPE = "m", "bf16"
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("kernel_bandwidth")
     copy = kernel_report.copy_bytes_per_s(args.device.type, size=(1 << 24) if args.rehearse else (1 << 30))
     result.figures["copy_gb_per_s"] = copy / 1e9

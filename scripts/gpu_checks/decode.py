@@ -2,9 +2,9 @@
 (KDA state, MLA compressed KV) and decode greedily, eager and then with the one-token step compiled as
 `inference.generate compile=true` runs it (model.generation.decode_step). The compiled tokens must be the
 eager ones; the figures are ms per decoded token and each variant's ratio to the baseline
-(scripts.bench_inference's rounds: variants interleaved, the first round warms up and compiles).
+(scripts.bench inference's rounds: variants interleaved, the first round warms up and compiles).
 
-    python -m scripts.gpu_checks.decode --out DIR [--rehearse]    (rehearsal: model=xs, eager only, on the CPU)
+    python -m scripts.gpu_checks.decode out=DIR [rehearse=true]    (rehearsal: model=xs, eager only, on the CPU)
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from model import build_model
 from model.generation import decode_step
-from scripts.bench_inference import VARIANTS, time_rounds
+from scripts.bench.inference import VARIANTS, time_rounds
 from scripts.gpu_checks.result import Result, parse_args
 from trainer.config import load_config
 
@@ -20,8 +20,8 @@ from trainer.config import load_config
 SETTINGS = {"gpu": ("s", 512, 32, 3), "rehearse": ("xs", 16, 4, 1)}
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("compiled_decode")
     size, prompt, decode, rounds = SETTINGS["rehearse" if args.rehearse else "gpu"]
     models = {v: build_model(load_config([f"model={size}", f"variant={v}"]), seed=0).to(args.device).eval()

@@ -6,7 +6,7 @@ masking runs it: outputs and the gradients of every input).
 fp32 inputs; fla's kernels may run their dots in TF32 (10-bit mantissa), so errors relative to the
 largest magnitude up to TOLERANCE pass. A wrong decay or gate convention errs by O(1).
 
-    python -m scripts.gpu_checks.fla_kda --out DIR [--rehearse]    (rehearsal: on the CPU, our chunk form
+    python -m scripts.gpu_checks.fla_kda out=DIR [rehearse=true]    (rehearsal: on the CPU, our chunk form
                                                                     against the recurrent oracle)
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ def errors(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str]) 
             for name, a, b in zip(names, got, want)}
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("fla_chunk_kda")
     shape = SHAPES["rehearse" if args.rehearse else "gpu"]
     if args.rehearse:

@@ -7,7 +7,7 @@ the loss by about 1e-3 relative, tests/parallel/test_float8.py) and the one-Line
 casts each operand in separate kernels, which torch.compile would fuse, so these ratios are float8's floor;
 and model=m's matmuls (d_model 512) are small for float8, so the 48B-shaped Linear says more.
 
-    python -m scripts.gpu_checks.float8_step --out DIR [--rehearse]    (rehearsal: model=xs, fp32 matmuls on
+    python -m scripts.gpu_checks.float8_step out=DIR [rehearse=true]    (rehearsal: model=xs, fp32 matmuls on
                                                                          float8-rounded operands, on the CPU)
 """
 from __future__ import annotations
@@ -73,8 +73,8 @@ def linear_ratio(device: torch.device, autocast, tokens: int, features_in: int, 
     return {"tokens": tokens, "in": features_in, "out": features_out, "ms": ms, "ratio": ms["bf16"] / ms["float8"]}
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("float8_step")
     size, batch, seq, warmup, rounds, tokens_lin, lin_in, lin_out = SETTINGS["rehearse" if args.rehearse else "gpu"]
     device, on_cuda = args.device, args.device.type == "cuda"

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from model.moe import MoE, grouped_swiglu
+from scripts.cli import NoKeys, parse
 from trainer.config import load_config
 
 TOLERANCE = 2e-2
@@ -66,7 +67,8 @@ def moe_layer_syncs() -> str | None:
     return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parse(NoKeys, __doc__, argv)
     if not torch.cuda.is_available():
         print("FAIL grouped_mm no CUDA device")
         sys.exit(1)

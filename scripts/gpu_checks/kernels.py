@@ -3,7 +3,7 @@ tests/kernels run with KERNEL_TEST_DEVICE=cuda (compiled kernels on CUDA tensors
 spread over worker processes (pytest-xdist) so the first compiles run side by side. The ahead-of-time
 table (test_aot) needs no GPU and runs in the suite.
 
-    python -m scripts.gpu_checks.kernels --out DIR [--rehearse]    (rehearsal: the tests are collected on
+    python -m scripts.gpu_checks.kernels out=DIR [rehearse=true]    (rehearsal: the tests are collected on
                                                                     the CPU, not run)
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ def counts(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|tests? collected)", last)}
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("triton_kernels")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # tests/kernel_device.py picks the device; without conftest.py, pytest does not put tests/ on the path.

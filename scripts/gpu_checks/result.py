@@ -1,37 +1,50 @@
-"""What every check of scripts/gpu_check.sh shares: its command line (--out, --rehearse) and its result file.
+"""What every check of scripts/gpu_check.sh shares: its command line (out=DIR, rehearse=true) and its result file.
 
 A check writes <out>/result.json: its status (PASS | FAIL | SKIP), its figures, what it skipped (each entry
 names what it would have measured) and its one summary line, which it also prints last.
---rehearse runs the check on the CPU with tiny shapes: the same code, files and summary; only the steps that
+rehearse=true runs the check on the CPU with tiny shapes: the same code, files and summary; only the steps that
 need CUDA are skipped, each naming what it would have measured.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+
+from scripts.cli import fail, key, parse
 
 RESULT_FILE = "result.json"
 
 
-def parse_args(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="this check's folder (result.json and its files)")
-    parser.add_argument("--rehearse", action="store_true", help="on the CPU with tiny shapes; CUDA-only steps SKIP")
-    args = parser.parse_args(argv)
+@dataclass
+class CheckArgs:
+    out: str | None = key(None, "this check's folder, for result.json and its files (required)")
+    rehearse: bool = key(False, "on the CPU with tiny shapes; CUDA-only steps SKIP")
+
+
+class Checking(NamedTuple):
+    out: Path
+    rehearse: bool
+    device: torch.device
+
+
+def parse_args(doc: str, argv: list[str] | None = None) -> Checking:
+    args = parse(CheckArgs, doc, argv)
+    if not args.out:
+        fail("out= is required: this check's folder, for result.json and its files")
     if not args.rehearse and not torch.cuda.is_available():
-        parser.error("no CUDA device is visible (torch.cuda.is_available() is False); --rehearse runs on the CPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.device = torch.device("cpu" if args.rehearse else "cuda")
+        fail("no CUDA device is visible (torch.cuda.is_available() is False); rehearse=true runs on the CPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.rehearse:
         # Tiny shapes gain nothing from a second thread, and OpenMP threads spin at their barriers whenever
         # other work holds a core (a shared CI machine): steps measured 10x slower with two.
         torch.set_num_threads(1)
-    return args
+    return Checking(out, args.rehearse, torch.device("cpu" if args.rehearse else "cuda"))
 
 
 @dataclass

@@ -6,7 +6,7 @@ own figures must be there on the device: MFU (the device is in trainer/mfu.py's 
 CUDA kernel events in the profiler's trace. The device may have no network, so the text is generated
 here (seeded pseudo-words) and prepared with its own BPE.
 
-    python -m scripts.gpu_checks.resume --out DIR [--rehearse]    (rehearsal: model=xs, fp32, on the CPU)
+    python -m scripts.gpu_checks.resume out=DIR [rehearse=true]    (rehearsal: model=xs, fp32, on the CPU)
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def has_cuda_kernels(trace: Path) -> bool:
     return any(event.get("cat") == "kernel" for event in json.loads(trace.read_text()).get("traceEvents", []))
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("resume")
     size, batch, seq, files, lines = SETTINGS["rehearse" if args.rehearse else "gpu"]
     write_corpus(args.out / "texts", files, lines)

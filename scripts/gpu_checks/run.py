@@ -2,13 +2,12 @@
 check that runs out of time is stopped and the rest still run), then write every figure into one file,
 <out>/gpu_check.json, and a one-screen summary, <out>/summary.txt (also printed).
 
-    python -m scripts.gpu_checks.run --out DIR [--rehearse]
+    python -m scripts.gpu_checks.run out=DIR [rehearse=true]
 
 Exit status: 0 when no check failed or ran out of time, 1 otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -19,7 +18,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from scripts.gpu_checks.result import RESULT_FILE
+from scripts.cli import fail, parse
+from scripts.gpu_checks.result import RESULT_FILE, CheckArgs
 
 SUMMARY_FILE, JSON_FILE = "summary.txt", "gpu_check.json"
 # What the lent machine's command has left after the bundle install (about 10 s), of its 9 minutes.
@@ -50,10 +50,10 @@ def run_check(check: Check, out: Path, rehearse: bool) -> dict:
     folder = out / check.name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RESULT_FILE).unlink(missing_ok=True)
-    command = [sys.executable, "-m", f"scripts.gpu_checks.{check.module}", "--out", str(folder)]
+    command = [sys.executable, "-m", f"scripts.gpu_checks.{check.module}", f"out={folder}"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels on CUDA
     if rehearse:
-        command.append("--rehearse")
+        command.append("rehearse=true")
         env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is the CPU's, even on a machine with a GPU
     log = folder / "log.txt"
     began = time.perf_counter()
@@ -95,21 +95,21 @@ def summary(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rehearse", action="store_true", help="on the CPU with tiny shapes; CUDA-only steps SKIP")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse(CheckArgs, __doc__, argv)
+    if not args.out:
+        fail("out= is required: the folder for gpu_check.json, summary.txt and each check's folder")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     report = {"rehearse": args.rehearse, **environment(), "checks": []}
     for check in CHECKS:
-        report["checks"].append(run_check(check, args.out, args.rehearse))
+        report["checks"].append(run_check(check, out, args.rehearse))
         print(report["checks"][-1]["line"], flush=True)
     report["seconds"] = round(time.perf_counter() - began, 1)
-    (args.out / JSON_FILE).write_text(json.dumps(report, indent=1))
+    (out / JSON_FILE).write_text(json.dumps(report, indent=1))
     text = summary(report)
-    (args.out / SUMMARY_FILE).write_text(text + "\n")
-    print(f"\n{text}\n\nfigures: {args.out / JSON_FILE}")
+    (out / SUMMARY_FILE).write_text(text + "\n")
+    print(f"\n{text}\n\nfigures: {out / JSON_FILE}")
     return 1 if any(r["status"] in ("FAIL", "TIMEOUT") for r in report["checks"]) else 0
 
 

@@ -5,7 +5,7 @@ Block/baseline and Full/baseline ratios of the median step times are read side b
 peak memory is what it allocates beyond what was held before it was built (its weights, gradients,
 optimizer state and activations); MFU is model/flops.py's FLOPs per token over trainer/mfu.py's peak.
 
-    python -m scripts.gpu_checks.train_step --out DIR [--rehearse]    (rehearsal: model=xs, fp32, on the CPU)
+    python -m scripts.gpu_checks.train_step out=DIR [rehearse=true]    (rehearsal: model=xs, fp32, on the CPU)
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def synchronized_now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def main() -> None:
-    args = parse_args(__doc__)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv)
     result = Result("train_step_bf16")
     size, batch, seq, warmup, rounds = SETTINGS["rehearse" if args.rehearse else "gpu"]
     device, on_cuda = args.device, args.device.type == "cuda"

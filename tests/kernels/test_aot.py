@@ -50,8 +50,8 @@ def test_every_tile_configuration_compiles_without_spills(arch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # (aot compiles anew anyway) keep ~/.triton clean
     records_path = tmp_path / "records.json"
-    result = subprocess.run([sys.executable, "-m", "scripts.kernel_report", "--archs", str(arch), "--no-roofline",
-                             "--json", str(records_path)], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "scripts.kernel_report", f"archs={arch}", "roofline=false",
+                             f"json={records_path}"], env=env, capture_output=True, text=True, timeout=900)
     assert records_path.exists(), result.stderr[-3000:]
     records = json.loads(records_path.read_text())
     assert len(records) == len(tile_configs()), result.stdout[-3000:]

@@ -9,7 +9,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from scripts import bench_inference, bench_kernels
+from scripts.bench import inference as bench_inference
+from scripts.bench import kernels as bench_kernels
 from scripts.gpu_checks.run import CHECKS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """scripts/plan_memory.py and parallel/memory_plan.py: parameter counts per rank, fsdp sharding, the
-activation formula against scripts/bench_memory.py's measurements, the CLI's verdicts and errors."""
+activation formula against scripts/bench/memory.py's measurements, the CLI's verdicts and errors."""
 import contextlib
 import io
 import subprocess
@@ -12,7 +12,7 @@ from parallel.context import ContextSplit
 from parallel.dims import Degrees
 from parallel.memory_plan import (GIB, MIB, activation_elements, candidate_layouts, count_rank_parameters,
                                   kda_elements, mla_elements, plan, search)
-from scripts.bench_memory import StorageTracker
+from scripts.bench.memory import StorageTracker
 from trainer.config import load_config
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def test_fsdp2_halves_parameters_gradients_and_optimizer_state():
 
 @pytest.mark.parametrize("mode, measured_mib", [("none", 722.2), ("full", 60.4), ("selective", 300.7)])
 def test_activation_formula_matches_bench_memory_at_model_m(mode, measured_mib):
-    """scripts.bench_memory at model=m, variant=block, 2 x 256 tokens, fp32 CPU (docs/BENCHMARKS.md)."""
+    """scripts.bench memory at model=m, variant=block, 2 x 256 tokens, fp32 CPU (docs/BENCHMARKS.md)."""
     cfg = load_config(["model=m"]).model
     parts = activation_elements(cfg, list(range(cfg.n_blocks)), mode, last=True, cuda=False, seq_len=256)
     planned_mib = sum(e.bytes(4) for e in parts.values()) * 2 * 256 / MIB
@@ -59,21 +59,21 @@ def test_activation_formula_matches_bench_memory_at_model_m(mode, measured_mib):
 
 def test_cli_prints_fits_and_does_not_fit():
     fits = run_cli("model=kimi_linear_48b", "parallel.pp=4", "parallel.ep=16", "parallel.schedule=1f1b",
-                   "train.seq_len=4096", "train.micro_batch=1", "--gpus", "64", "--gpu-mem-gib", "80",
+                   "train.seq_len=4096", "train.micro_batch=1", "gpus=64", "gpu_mem_gib=80",
                    "train.activation_checkpointing=selective")  # docs/TRAINING.md's layout
     assert fits.returncode == 0, fits.stderr
     assert "\nfits: " in fits.stdout
     assert "layout dp16_pp4_ep16: " in fits.stdout and "  total                      44.45 GiB" in fits.stdout
     verdict = plan_memory.refusal(load_config(["model=kimi_linear_48b"]), Degrees(dp=16, pp=4, ep=16))
     assert ("trainer today: runs it" if verdict is None else f"trainer today: refused ({verdict})") in fits.stdout
-    ddp = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "--gpus", "64")
+    ddp = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "gpus=64")
     assert ddp.returncode == 0, ddp.stderr
     assert "\ndoes not fit: " in ddp.stdout and "trainer today: runs it" in ddp.stdout
 
 
 def test_search_lists_layouts_for_48b_on_64_gpus_of_80_gib():
-    out = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "--gpus", "64",
-                  "--gpu-mem-gib", "80", "--search", "--top", "400")
+    out = run_cli("model=kimi_linear_48b", "train.seq_len=4096", "train.micro_batch=1", "gpus=64",
+                  "gpu_mem_gib=80", "search=true", "top=400")
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines()[2:] if line.strip()]
     assert len(rows) >= 1
@@ -81,13 +81,13 @@ def test_search_lists_layouts_for_48b_on_64_gpus_of_80_gib():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["parallel.fsdp=3", "--gpus", "64"],
-     "error: --gpus 64 is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 3"),
-    (["parallel.cp=3", "--gpus", "6", "train.seq_len=128"],
+    (["parallel.fsdp=3", "gpus=64"],
+     "error: gpus=64 is not divisible by parallel.fsdp * parallel.cp * parallel.pp * parallel.tp = 3"),
+    (["parallel.cp=3", "gpus=6", "train.seq_len=128"],
      "error: train.seq_len=128 must be divisible by parallel.cp * parallel.tp = 3 * 1"),
-    (["parallel.ep=3", "--gpus", "6"], "error: model.moe.n_routed_experts=8 must be divisible by parallel.ep=3"),
+    (["parallel.ep=3", "gpus=6"], "error: model.moe.n_routed_experts=8 must be divisible by parallel.ep=3"),
     (["parallel.pp=0"], "error: parallel.pp=0 must be a positive integer"),
-    (["--gpus", "0"], "error: --gpus=0 must be >= 1"),
+    (["gpus=0"], "error: gpus=0 must be >= 1"),
 ])
 def test_bad_input_is_one_line(args, message):
     out = run_cli(*args)
@@ -97,7 +97,7 @@ def test_bad_input_is_one_line(args, message):
 
 # -- context parallelism --------------------------------------------------------------------------------
 
-LONG = ["model=kimi_linear_48b", "train.seq_len=131072", "train.micro_batch=1", "--gpus", "64", "--gpu-mem-gib", "80"]
+LONG = ["model=kimi_linear_48b", "train.seq_len=131072", "train.micro_batch=1", "gpus=64", "gpu_mem_gib=80"]
 
 
 class LastRankOfLocalSplit(ContextSplit):
@@ -122,7 +122,7 @@ class LastRankOfLocalSplit(ContextSplit):
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_token_mixers_under_cp_match_the_storage_tracker(cp):
     """What a KDA and an MLA layer keep for backward on the last cp rank (CPU, fp32, model=m), measured
-    op by op (scripts/bench_memory.py's tracker) against kda_elements / mla_elements."""
+    op by op (scripts/bench/memory.py's tracker) against kda_elements / mla_elements."""
     from model.kda import KimiDeltaAttention
     from model.mla import MultiHeadLatentAttention
     cfg = load_config(["model=m"]).model
@@ -208,12 +208,12 @@ def long_search():
 def test_48b_at_128k_on_64_gpus_of_80_gib_fits_with_cp_only(long_search):
     _, found = long_search
     assert found and all(p.layout.cp > 1 for p in found)
-    out = run_cli(*LONG, "variant.two_phase=false", "--search")
+    out = run_cli(*LONG, "variant.two_phase=false", "search=true")
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()[2:] if line.strip()]
     assert rows[0][:3] == [found[0].layout.name(), str(found[0].layout.cp), found[0].mode]
     assert all(int(row[1]) > 1 and row[-1] == "runs" for row in rows)
-    default = run_cli(*LONG, "--search")
+    default = run_cli(*LONG, "search=true")
     assert default.returncode == 0 and default.stdout.startswith("0 layouts fit"), default.stdout
 
 

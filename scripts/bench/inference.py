@@ -1,32 +1,44 @@
 """Inference latency and block storage of baseline vs Block vs Full, in one run.
 
 Prefill latency (whole prompt) and per-token decode latency with the KDA state and MLA compressed KV
-caches, interleaved across variants, as ratios to the baseline; with --compile also both compiled
+caches, interleaved across variants, as ratios to the baseline; with compile=true also both compiled
 (torch.compile of the whole model: prefill at the prompt's length, and the one-token decode step as
 `inference.generate compile=true` runs it), as ratios to the compiled baseline. Then the block
 representations held during prefill (measured from the depth state) against the formula
 N * T * d * bytes, unchunked and with chunked prefill, and the formula at the paper's 128K-token sizes.
 
-    python -m scripts.bench_inference [--model s] [--prompt 512] [--decode 32] [--rounds 3] [--compile]
+    python -m scripts.bench inference [model=s] [prompt=512] [decode=32] [rounds=3] [compile=true]
 
 The first round of each mode warms up (and compiles); medians are over the other rounds.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from model import build_model
 from model.generation import decode_step
 from model.residual import DepthGeometry
-from trainer.config import load_config
+from scripts.bench.common import bench_model, random_tokens
+from scripts.cli import key, parse
 
 VARIANTS = ("baseline", "block", "full")
+
+
+@dataclass
+class Args:
+    model: str = key("s", "configs/model/ size")
+    prompt: int = key(512, "prompt tokens prefilled")
+    decode: int = key(32, "tokens decoded after the prompt")
+    rounds: int = key(3, "timed rounds after the warm-up round, variants interleaved")
+    chunk: int = key(128, "prefill chunk for the storage measurement")
+    compile: bool = key(False, "also time prefill and decode under torch.compile")
+    device: str = key("cpu", "where to run (cuda times with a synchronize around calls)", choices=("cpu", "cuda"))
+    summary: bool = key(False, "end with one PASS/FAIL line (compiled greedy tokens equal eager's) and the ratios")
 
 
 def block_storage_bytes(model, tokens: torch.Tensor, chunk: int) -> int:
@@ -103,7 +115,7 @@ def print_rows(mode: str, times: dict[str, Timing]) -> None:
 
 def summary_line(timed: dict[str, dict[str, Timing]]) -> str:
     """For scripts/gpu_check.sh: FAIL when a compiled decode's greedy tokens differ from eager's; the
-    compiled ratios to the compiled baseline (or the eager ones without --compile) as figures."""
+    compiled ratios to the compiled baseline (or the eager ones without compile=true) as figures."""
     mode = "compiled" if "compiled" in timed else "eager"
     times = timed[mode]
     mismatched = [v for v in times if mode == "compiled" and times[v].tokens != timed["eager"][v].tokens]
@@ -115,25 +127,12 @@ def summary_line(timed: dict[str, dict[str, Timing]]) -> str:
     return f"{verdict} {figures} baseline_decode={times['baseline'].decode_s * 1e3:.2f}ms"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="s")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--decode", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=128, help="prefill chunk for the storage measurement")
-    parser.add_argument("--compile", action="store_true", help="also time prefill and decode under torch.compile")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda times with a synchronize around calls)")
-    parser.add_argument("--summary", action="store_true",
-                        help="end with one PASS/FAIL line (compiled greedy tokens equal eager's) and the ratios")
-    args = parser.parse_args()
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
     device = torch.device(args.device)
-    models = {}
-    for variant in VARIANTS:
-        torch.manual_seed(0)
-        models[variant] = build_model(load_config([f"model={args.model}", f"variant={variant}"])).to(device).eval()
+    models = {v: bench_model(args.model, f"variant={v}").to(device).eval() for v in VARIANTS}
     cfg = models["block"].cfg
-    tokens = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = random_tokens(cfg.vocab_size, (1, args.prompt)).to(device)
     timed = {"eager": time_rounds(models, tokens, args.decode, args.rounds, models, models)}
     if args.compile:
         timed["compiled"] = compiled_rounds(models, tokens, args.decode, args.rounds)
@@ -161,6 +160,3 @@ def main() -> None:
         print(line)
         sys.exit(line.startswith("FAIL"))
 
-
-if __name__ == "__main__":
-    main()

@@ -5,16 +5,15 @@ the output reduce-scattered by hooks around the module. DTensor (torchtitan's pl
 with PrepareModuleInput (sequence-sharded -> replicated, kept a DTensor so the two column-parallel inputs'
 gradients meet as one partial sum), ColwiseParallel gate/up and RowwiseParallel down back to sequence shards.
 Both start from the same weights; the script checks that outputs and every gradient agree, then times
-forward + backward (median [min, max] of --repeats rounds of --iters calls, the two interleaved) at a long
+forward + backward (median [min, max] of `repeats` rounds of `iters` calls, the two interleaved) at a long
 sequence (compute-bound) and a short one (dispatch-bound: DTensor's per-op sharding propagation shows).
 
-    torchrun --nproc-per-node 2 -m scripts.bench_tp_dtensor [--model s] [--seq 2048 64] [--iters 20] [--repeats 3]
+    torchrun --nproc-per-node 2 -m scripts.bench tp_dtensor [model=s] [seq=[2048,64]] [iters=20] [repeats=3]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,8 +23,18 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from model.mlp import SwiGLU
 from parallel.dims import Degrees, build_layout, init_distributed
-from parallel.tensor import _region, _shard_swiglu, local_sequence  # the hand-written region itself
+from parallel.tensor import _region, _shard, local_sequence  # the hand-written region itself
+from scripts.bench.common import interleaved, seconds, spread
+from scripts.cli import key, parse
 from trainer.config import load_config
+
+
+@dataclass
+class Args:
+    model: str = key("s", "configs/model/ size: its d_model and dense_inter")
+    seq: list[int] = key([2048, 64], "sequence lengths (a long, compute-bound one; a short, dispatch-bound one)")
+    iters: int = key(20, "calls per timed round")
+    repeats: int = key(3, "timed rounds, ours and DTensor interleaved")
 
 
 def dtensor_swiglu(mlp: SwiGLU, mesh) -> SwiGLU:
@@ -48,13 +57,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="s")
-    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 64])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
     info = init_distributed()
     tp = info.world_size
     layout = build_layout(info, Degrees(tp=tp))
@@ -64,7 +68,7 @@ def main() -> None:
     ours, theirs = SwiGLU(cfg.d_model, cfg.dense_inter), SwiGLU(cfg.d_model, cfg.dense_inter)
     ours.load_state_dict(whole.state_dict())
     theirs.load_state_dict(whole.state_dict())
-    _shard_swiglu(ours, "", layout.tp_rank, tp)
+    _shard(ours, "", layout.tp_rank, tp)
     _region(ours, layout.tp_group)
     dtensor_swiglu(theirs, layout.mesh["tp"])
 
@@ -78,25 +82,21 @@ def main() -> None:
         x_grads = step(ours, x, grad), step(theirs, x, grad)
         errors = [(x_grads[0] - x_grads[1]).abs().max().item()]
         errors += [(a.grad - local(b.grad)).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters())]
-        times = {"ours": [], "dtensor": []}
-        for _ in range(args.repeats):
-            for name, mlp in (("ours", ours), ("dtensor", theirs)):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(args.iters):
-                    step(mlp, x, grad)
-                times[name].append((time.perf_counter() - start) / args.iters * 1e3)
+
+        def ms_per_call(mlp: SwiGLU) -> float:
+            dist.barrier()
+            return seconds(lambda: [step(mlp, x, grad) for _ in range(args.iters)]) / args.iters * 1e3
+
+        times = interleaved({"ours": lambda: ms_per_call(ours), "dtensor": lambda: ms_per_call(theirs)}, args.repeats,
+                            warmup=0)
         rows.append((seq, max(errors), times))
     if info.is_main:
         print(f"model={args.model} SwiGLU {cfg.d_model} -> {cfg.dense_inter}, batch 2, tp={tp} (gloo, CPU), "
               f"forward + backward in ms: median [min, max] of {args.repeats} rounds of {args.iters}")
         print(f"{'seq':>6} {'ours ms':>22} {'DTensor ms':>22} {'DTensor / ours':>15} {'max |diff|':>11}")
         for seq, error, times in rows:
-            spread = {k: f"{statistics.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]" for k, v in times.items()}
             ratio = statistics.median(times["dtensor"]) / statistics.median(times["ours"])
-            print(f"{seq:>6} {spread['ours']:>22} {spread['dtensor']:>22} {ratio:>15.2f} {error:>11.1e}")
+            print(f"{seq:>6} {spread(times['ours'], 3):>22} {spread(times['dtensor'], 3):>22} {ratio:>15.2f} "
+                  f"{error:>11.1e}")
     dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    main()

@@ -1,30 +1,39 @@
 """Blocking time per checkpoint save, synchronous against asynchronous (checkpoint.async_mode), one process.
 
-A model of the given size with AdamW state (one real step, so the moments exist) is saved `--saves` times
+A model of the given size with AdamW state (one real step, so the moments exist) is saved `saves` times
 per mode through the trainer's CheckpointSaver, modes interleaved so load drift hits all alike. `blocking`
 is what the training loop waits for at a save: the whole save when synchronous; begin_save, the staging copy
 and the hand-off when asynchronous (plus the wait for the previous save, none here: each async save is
 published before the next starts). `written` is the time until the checkpoint is published (meta.json and
 the rename done); for async that is the background write, hashing and publishing.
 
-    python -m scripts.bench_checkpoint [--model m] [--saves 3] [--modes off,async] [--dir DIR]
+    python -m scripts.bench checkpoint [model=m] [saves=3] [modes=[off,async]] [dir=DIR]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from model import build_model
-from trainer.run_dir.async_checkpoint import CheckpointSaver
+from scripts.cli import key, parse
 from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.run_dir.async_checkpoint import CheckpointSaver
+
+
+@dataclass
+class Args:
+    model: str = key("m", "configs/model/ size")
+    saves: int = key(3, "saves per mode, modes interleaved")
+    modes: list[str] = key(["off", "async"], "checkpoint.async_mode values to time",
+                           choices=("off", "async", "async_pinned"))
+    dir: str | None = key(None, "where to write (null: a temporary directory)")
 
 
 def trained_state(model_name: str):
@@ -51,14 +60,9 @@ def time_save(saver: CheckpointSaver, run_dir: Path, step: int, cfg, model, opti
     return blocking, time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="m")
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--modes", default="off,async", help="comma-separated checkpoint.async_mode values")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = parser.parse_args(argv)
-    modes = args.modes.split(",")
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
+    modes = args.modes
     cfg, model, optimizer, scheduler = trained_state(args.model)
     n_params = sum(p.numel() for p in model.parameters())
     savers = {mode: CheckpointSaver(mode, torch.device("cpu")) for mode in modes}
@@ -76,6 +80,3 @@ def main(argv: list[str] | None = None) -> None:
         print(f"async_mode={mode:<13} blocking {statistics.median(blocking):7.3f} s (runs {', '.join(f'{b:.3f}' for b in blocking)})"
               f" | written after {statistics.median(written):7.3f} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -4,41 +4,41 @@ Each rank prefills its T/tp slice of the prompt (whole, then in chunks) with the
 the depth state sharded along the sequence; it reports the bytes of block representations it holds
 against N * T/tp * d * bytes, and the largest logit difference to an unsharded prefill in one process.
 
-    torchrun --nproc-per-node 2 -m scripts.bench_tp_prefill [--model s] [--prompt 512] [--chunk 128]
+    torchrun --nproc-per-node 2 -m scripts.bench tp_prefill [model=s] [variant=block] [prompt=512] [chunk=128]
 """
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from model import build_model
 from parallel.dims import Degrees, build_layout, init_distributed, shutdown
 from parallel.parallelize import slice_model
 from parallel.tensor import gather_sequence, local_sequence
-from scripts.bench_inference import block_storage_bytes
-from trainer.config import load_config
+from scripts.bench.common import bench_model, random_tokens
+from scripts.bench.inference import block_storage_bytes
+from scripts.cli import key, parse
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="s")
-    parser.add_argument("--variant", default="block")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=128)
-    args = parser.parse_args()
+@dataclass
+class Args:
+    model: str = key("s", "configs/model/ size")
+    variant: str = key("block", "configs/variant/ residual variant")
+    prompt: int = key(512, "prompt tokens prefilled")
+    chunk: int = key(128, "tokens per prefill chunk")
+
+
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
     info = init_distributed()
     tp = info.world_size
     layout = build_layout(info, Degrees(tp=tp))
-    config = load_config([f"model={args.model}", f"variant={args.variant}"])
-    cfg = config.model
-    torch.manual_seed(0)
-    reference = build_model(config).eval()
-    torch.manual_seed(0)
-    model = build_model(config).eval()
+    reference = bench_model(args.model, f"variant={args.variant}").eval()
+    model = bench_model(args.model, f"variant={args.variant}").eval()
+    cfg = model.cfg
     slice_model(model, layout)
-    tokens = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    tokens = random_tokens(cfg.vocab_size, (1, args.prompt))
     n_sources = model.mixer.geometry.max_sources
 
     rows = []
@@ -70,6 +70,3 @@ def main() -> None:
     dist.barrier()
     shutdown()
 
-
-if __name__ == "__main__":
-    main()

@@ -6,23 +6,32 @@ for backward (saved tensors, checkpoint inputs, the selective cache, the logits)
 that was alive at once during the forward. Parameters, buffers and views of them are not counted. Step time (forward + backward)
 is timed in separate rounds without the tracker, modes interleaved so load drift hits all alike.
 
-    python -m scripts.bench_memory [--model m] [--variant block] [--batch 2] [--seq 256] [--repeats 3]
+    python -m scripts.bench memory [model=m] [variant=block] [batch=2] [seq=256] [repeats=3]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from model import build_model
 from parallel.activation_checkpoint import MODES, apply_activation_checkpointing
-from trainer.config import load_config
+from scripts.bench.common import bench_model, interleaved, random_tokens, seconds, set_threads
+from scripts.cli import key, parse
+
+
+@dataclass
+class Args:
+    model: str = key("m", "configs/model/ size")
+    variant: str = key("block", "configs/variant/ residual variant")
+    batch: int = key(2, "sequences per step")
+    seq: int = key(256, "tokens per sequence")
+    repeats: int = key(3, "measurements of each mode (memory, then timed rounds)")
+    threads: int = key(0, "torch threads (0: leave as is)")
 
 
 class StorageTracker(TorchDispatchMode):
@@ -69,42 +78,26 @@ def activation_bytes(model, tokens: torch.Tensor) -> tuple[int, int]:
     return saved, peak
 
 
-def step_seconds(model, tokens: torch.Tensor) -> float:
-    start = time.perf_counter()
+def step(model, tokens: torch.Tensor) -> None:
     loss_of(model, tokens).backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
-def build(args, mode: str):
-    torch.manual_seed(0)
-    model = build_model(load_config([f"model={args.model}", f"variant={args.variant}"]))
+def build(args: Args, mode: str):
+    model = bench_model(args.model, f"variant={args.variant}")
     apply_activation_checkpointing(model, mode)
     return model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="m")
-    parser.add_argument("--variant", default="block")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
+    set_threads(args.threads)
 
     models = {mode: build(args, mode) for mode in MODES}
-    vocab = models["none"].cfg.vocab_size
-    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    tokens = random_tokens(models["none"].cfg.vocab_size, (args.batch, args.seq))
     memory = {mode: [activation_bytes(model, tokens) for _ in range(args.repeats)] for mode, model in models.items()}
-    times = {mode: [] for mode in MODES}
-    for model in models.values():  # warm-up
-        step_seconds(model, tokens)
-    for _ in range(args.repeats):
-        for mode, model in models.items():
-            times[mode].append(step_seconds(model, tokens))
+    times = interleaved({mode: lambda m=model: seconds(lambda: step(m, tokens)) for mode, model in models.items()},
+                        args.repeats)
 
     base_saved = memory["none"][0][0]
     base_time = statistics.median(times["none"])
@@ -122,6 +115,3 @@ def main() -> None:
         print(f"{mode:<10} {s / 2**20:>10.1f} {s / base_saved:>8.2f} {p / 2**20:>13.1f} "
               f"{statistics.median(t):>16.3f} {min(t):>6.3f}..{max(t):<6.3f} {statistics.median(t) / base_time:>8.2f}")
 
-
-if __name__ == "__main__":
-    main()

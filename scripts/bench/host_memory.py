@@ -1,6 +1,7 @@
-"""Host memory while one tp/ep rank gets its initial weights: sliced on meta and filled one init unit at
-a time (parallel.parallelize.materialise_parallel, what every layout does) vs built whole on the host
-and sliced afterwards (what it did before).
+"""Host memory while one tp/ep rank gets its initial weights: filled as slices vs built whole and sliced.
+
+`sliced`: sliced on meta and filled one init unit at a time (parallel.parallelize.materialise_parallel,
+what every layout does); `whole`: built whole on the host and sliced afterwards (what it did before).
 
 Each measurement is a fresh process (ru_maxrss is a per-process high-water mark) that first
 materialises model=xs once, so the allocator's and torch's one-time start-up costs are paid before
@@ -8,19 +9,29 @@ the RSS baseline is read, and that runs with MALLOC_MMAP_THRESHOLD_ fixed so fre
 RSS instead of staying in glibc's heap. `growth` is the peak RSS minus the RSS before the model is
 given weights; `keeps` is the fp32 bytes of the rank's slices, `whole` those of the whole model.
 
-    python -m scripts.bench_host_memory [--model s] [--tp 2] [--ep 8] [--repeats 3]
+    python -m scripts.bench host_memory [model=s] [tp=2] [ep=8] [repeats=3]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
+from dataclasses import dataclass
+
+from scripts.bench.common import in_fresh_process, peak_rss_bytes, rss_bytes
+from scripts.cli import key, parse
 
 MODES = ("sliced", "whole")
+
+
+@dataclass
+class Args:
+    model: str = key("s", "configs/model/ size")
+    tp: int = key(2, "tensor-parallel degree of the rank")
+    ep: int = key(8, "expert-parallel degree of the rank")
+    repeats: int = key(3, "fresh processes per mode, modes interleaved")
+    one: str | None = key(None, "internal: measure this mode in this process", choices=(None, *MODES))
 
 
 def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
@@ -41,27 +52,19 @@ def measure(mode: str, model_name: str, tp: int, ep: int) -> dict:
 
     model = build_model(load_config([f"model={model_name}", "variant=block"]), device="meta")
     whole = 4 * sum(p.numel() for p in model.parameters())
-    page = resource.getpagesize()
-    with open("/proc/self/statm") as statm:
-        before = int(statm.read().split()[1]) * page
+    before = rss_bytes()
     if mode == "sliced":
         materialise_parallel(model, info, layout, 0, torch.float32)
     else:
         materialise(model, "cpu", model.cfg.init_stds, 0)
         slice_model(model, layout)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     keeps = 4 * sum(p.numel() for p in model.parameters())
     return {"mode": mode, "whole_mb": whole / 1e6, "keeps_mb": keeps / 1e6, "growth_mb": (peak - before) / 1e6}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="s")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--ep", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # the child process's measurement
-    args = parser.parse_args()
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
     if args.one:
         print(json.dumps(measure(args.one, args.model, args.tp, args.ep)))
         return
@@ -69,12 +72,9 @@ def main() -> None:
     results = {mode: [] for mode in MODES}
     for repeat in range(args.repeats):
         for mode in MODES:  # interleaved, so drift on the machine hits both alike
-            command = [sys.executable, "-m", "scripts.bench_host_memory", "--one", mode, "--model", args.model,
-                       "--tp", str(args.tp), "--ep", str(args.ep)]
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            if done.returncode:
-                sys.exit(f"the {mode} measurement failed: {done.stderr.strip().splitlines()[-1]}")
-            results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            command = ["-m", "scripts.bench", "host_memory", f"one={mode}", f"model={args.model}", f"tp={args.tp}",
+                       f"ep={args.ep}"]
+            results[mode].append(in_fresh_process(command, env, f"the {mode} measurement"))
             print(f"repeat {repeat + 1}/{args.repeats} {mode}: {results[mode][-1]['growth_mb']:.1f} MB", file=sys.stderr)
     first = results["sliced"][0]
     print(f"model={args.model} as rank 0 of tp={args.tp} x ep={args.ep}: whole model {first['whole_mb']:.1f} MB "
@@ -84,6 +84,3 @@ def main() -> None:
         growth = [r["growth_mb"] for r in results[mode]]
         print(f"{mode:8s} {statistics.median(growth):19.1f} {min(growth):6.1f}..{max(growth):<6.1f}")
 
-
-if __name__ == "__main__":
-    main()

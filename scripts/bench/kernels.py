@@ -1,12 +1,13 @@
-"""Fused AttnRes depth-read kernels vs the torch reference and torch.compile of it, forward+backward,
-with achieved memory bandwidth against the device's peak. Needs a CUDA GPU (exits 0 without one).
+"""Fused AttnRes depth-read kernels vs the torch reference and torch.compile of it, forward+backward, on a GPU.
 
-    python -m scripts.bench_kernels [--dtype bf16] [--tokens 8192] [--peak-gbps 4800] [--reps 20]
-                                    [--dims 1024 2304 4096] [--sources 4 8 10] [--queries 2 6] [--summary]
+Also the achieved memory bandwidth against the device's peak. Needs a CUDA GPU (exits 0 without one).
 
---summary ends with one line for scripts/gpu_check.sh: PASS or FAIL, the worst row's speedup over
-torch.compile, share of peak bandwidth and error, against the goals (--goal-speedup, --goal-peak-pct,
---max-error); every row must meet all three.
+    python -m scripts.bench kernels [dtype=bf16] [tokens=8192] [peak_gbps=4800] [reps=20]
+                                    [dims=[1024,2304,4096]] [sources=[4,8,10]] [queries=[2,6]] [summary=true]
+
+summary=true ends with one line for scripts/gpu_check.sh: PASS or FAIL, the worst row's speedup over
+torch.compile, share of peak bandwidth and error, against the goals (goal_speedup, goal_peak_pct,
+max_error); every row must meet all three.
 
 Bandwidth counts the bytes a fused forward+backward must move at least (each tensor read or written
 once per pass), so it is comparable across implementations: higher is better, the peak is the roof.
@@ -17,14 +18,15 @@ once per pass), so it is comparable across implementations: higher is better, th
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from kernels import attnres
+from scripts.cli import key, parse
 
 # Peak HBM bandwidth in GB/s by a substring of torch.cuda.get_device_name() (vendor data sheets).
 PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
@@ -32,6 +34,21 @@ PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000
              "RTX 4090": 1008}
 DIMS, SOURCES, QUERIES = (1024, 2304, 4096), (4, 8, 10), (2, 6)
 EPS = 1e-5
+
+
+@dataclass
+class Args:
+    dtype: str = key("bf16", "the blocks' dtype", choices=("bf16", "fp32"))
+    tokens: int = key(8192, "tokens per call")
+    reps: int = key(20, "timed calls per row (median)")
+    peak_gbps: float | None = key(None, "device peak GB/s (null: from the device's name)")
+    dims: list[int] = key(list(DIMS), "model widths d")
+    sources: list[int] = key(list(SOURCES), "phase 1's N (blocks read)")
+    queries: list[int] = key(list(QUERIES), "phase 1's S (queries batched)")
+    summary: bool = key(False, "end with one PASS/FAIL line against the goals")
+    goal_speedup: float = key(1.4, "triton vs torch.compile, every row")
+    goal_peak_pct: float = key(70.0, "% of peak bandwidth, every row")
+    max_error: float = key(2e-2, "max relative error vs the reference")
 
 
 def device_peak(name: str, override: float | None) -> float | None:
@@ -98,22 +115,10 @@ def bench(read, inputs, cotangents, nbytes: int, reps: int, peak: float | None) 
             "peak_pct": 100 * gbps / peak if peak else float("nan"), "max_rel_error": error}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--peak-gbps", type=float, default=None, help="device peak (default: from the name)")
-    parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
-    parser.add_argument("--sources", type=int, nargs="+", default=list(SOURCES), help="phase 1's N")
-    parser.add_argument("--queries", type=int, nargs="+", default=list(QUERIES), help="phase 1's S")
-    parser.add_argument("--summary", action="store_true", help="end with one PASS/FAIL line against the goals")
-    parser.add_argument("--goal-speedup", type=float, default=1.4, help="triton vs torch.compile, every row")
-    parser.add_argument("--goal-peak-pct", type=float, default=70.0, help="%% of peak bandwidth, every row")
-    parser.add_argument("--max-error", type=float, default=2e-2, help="max relative error vs the reference")
-    args = parser.parse_args()
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
     if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA GPU; none found, nothing to measure.")
+        print("scripts.bench kernels needs a CUDA GPU; none found, nothing to measure.")
         sys.exit(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     name = torch.cuda.get_device_name()
@@ -150,6 +155,3 @@ def summary_line(results: list[dict], args) -> str:
             f"(goal >= {args.goal_speedup}x) min_peak={peak_pct:.0f}% (goal >= {args.goal_peak_pct:.0f}%) "
             f"max_rel_error={error:.1e} (<= {args.max_error:.0e})")
 
-
-if __name__ == "__main__":
-    main()

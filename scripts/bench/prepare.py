@@ -1,6 +1,6 @@
 """Preparation throughput with 1..N worker processes on a multi-file corpus.
 
-    python -m scripts.bench_prepare --source DIR_OR_GLOB --tokenizer tokenizer.json [--workers 1,2] [--repeats 3]
+    python -m scripts.bench prepare source=DIR_OR_GLOB tokenizer=tokenizer.json [workers=[1,2]] [repeats=3]
 
 Each run prepares the same inputs with the same tokenizer (no BPE training, so only reading, tokenising and
 writing shards is timed) into a fresh temporary directory, and prints MB/s and tokens/s per worker count,
@@ -8,15 +8,24 @@ with the spread over repeats and the speed-up over one worker measured in the sa
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.cli import fail, key, parse
 from trainer.data import PrepareOptions, prepare_text_corpus
 from trainer.data.documents import list_text_inputs
 from trainer.data.format import read_manifest
+
+
+@dataclass
+class Args:
+    source: str | None = key(None, "the inputs: a directory or glob of text files (required)")
+    tokenizer: str | None = key(None, "a tokenizers tokenizer.json (required; no BPE is trained)")
+    workers: list[int] = key([1, 2], "worker-process counts to time")
+    repeats: int = key(3, "runs per worker count")
 
 
 def one_run(source: str, tokenizer: str, workers: int) -> tuple[float, int]:
@@ -26,18 +35,15 @@ def one_run(source: str, tokenizer: str, workers: int) -> tuple[float, int]:
         return time.perf_counter() - start, read_manifest(out)["tokens"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", required=True)
-    parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
+    if not args.source or not args.tokenizer:
+        fail("source= and tokenizer= are required, e.g. source=corpus/ tokenizer=corpus/tokenizer.json")
     files = list_text_inputs([args.source])
     megabytes = sum(path.stat().st_size for path in files) / 1e6
     print(f"{len(files)} files, {megabytes:.1f} MB")
     rates = {}
-    for workers in map(int, args.workers.split(",")):
+    for workers in args.workers:
         runs = [one_run(args.source, args.tokenizer, workers) for _ in range(args.repeats)]
         seconds = [s for s, _ in runs]
         rates[workers] = [megabytes / s for s in seconds]
@@ -48,6 +54,3 @@ def main(argv: list[str] | None = None) -> None:
     for workers, rate in rates.items():
         print(f"speed-up with {workers} workers: {statistics.median(rate) / base:.2f}x")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Variants are interleaved round by round so drift in machine load hits all of them alike. Each round
 gives every variant a ratio to the baseline's step of the same round; the median of those paired ratios
-is reported with their range over rounds, beside the median step time. --compile compiles every
+is reported with their range over rounds, beside the median step time. compile=true compiles every
 variant's blocks as train.compile=true does (parallel/compile.py), so the ratios compare compiled to
 compiled; the warm-up rounds then include the compile, the timed rounds do not.
 
@@ -10,25 +10,25 @@ compiled; the warm-up rounds then include the compile, the timed rounds do not.
 the batched two-phase read where its fused kernels run, the per-layer read elsewhere); `block-two-phase`
 and `block-per-layer-read` force one read.
 
-    python -m scripts.bench_step [--model s] [--batch 4] [--seq 256] [--rounds 8] [--compile]
-                                 [--variants baseline,block] [--document-length 64]
+    python -m scripts.bench step [model=s] [batch=4] [seq=256] [rounds=8] [compile=true]
+                                 [variants=[baseline,block]] [document_length=64]
 
---document-length L also times every variant with document masking (data.document_masking=true): an
+document_length=L also times every variant with document masking (data.document_masking=true): an
 end-of-text token every L tokens on average (uniform gaps in [1, 2L - 1]), its ratio to the same
 variant unmasked in the last column.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
-from model import build_model
 from model.documents import document_starts
 from parallel.compile import apply_compile
-from trainer.config import load_config
+from scripts.bench.common import bench_model, interleaved, set_threads
+from scripts.cli import fail, key, parse
 
 CASES = {
     "baseline": ["variant=baseline"],
@@ -39,39 +39,33 @@ CASES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="s")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=0,
-                        help="untimed rounds first (0: 1 eager, 3 compiled: steps run slower for a few seconds "
-                             "after a cold compile, and MoE expert sizes recompile once with dynamic shapes)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile=true)")
-    parser.add_argument("--document-length", type=int, default=0,
-                        help="also time document masking at this mean document length in tokens (0: do not)")
-    parser.add_argument("--variants", default=",".join(CASES),
-                        help=f"comma-separated subset of {', '.join(CASES)} (the baseline is always timed)")
-    args = parser.parse_args()
-    variants = ["baseline"] + [v for v in args.variants.split(",") if v != "baseline"]
-    unknown = [v for v in variants if v not in CASES]
-    if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(CASES)}")
-    if args.document_length < 0:
-        parser.error(f"--document-length={args.document_length} must be >= 0 (0: no document masking)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+@dataclass
+class Args:
+    model: str = key("s", "configs/model/ size")
+    batch: int = key(4, "sequences per step")
+    seq: int = key(256, "tokens per sequence")
+    rounds: int = key(8, "timed rounds, every variant once per round")
+    warmup: int = key(0, "untimed rounds first (0: 1 eager, 3 compiled: steps run slower for a few seconds after "
+                         "a cold compile, and MoE expert sizes recompile once with dynamic shapes)")
+    threads: int = key(0, "torch threads (0: leave as is)")
+    compile: bool = key(False, "torch.compile each block (train.compile=true)")
+    document_length: int = key(0, "also time document masking at this mean document length in tokens (0: do not)")
+    variants: list[str] = key(list(CASES), "the variants to time (the baseline is always timed)", choices=tuple(CASES))
 
-    models, tokens = {}, None
+
+def main(argv: list[str]) -> None:
+    args = parse(Args, __doc__, argv)
+    if args.document_length < 0:
+        fail(f"document_length={args.document_length} must be >= 0 (0: no document masking)")
+    variants = ["baseline"] + [v for v in args.variants if v != "baseline"]
+    set_threads(args.threads)
+
+    models = {}
     for name in variants:
-        overrides = CASES[name]
-        torch.manual_seed(0)
-        models[name] = build_model(load_config([f"model={args.model}", *overrides]))
+        models[name] = bench_model(args.model, *CASES[name])
         if args.compile:
             apply_compile(models[name])
-        vocab = models[name].cfg.vocab_size
+    vocab = models["baseline"].cfg.vocab_size
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, vocab, (args.batch, args.seq), generator=generator)
     cases = {name: (model, None) for name, model in models.items()}
@@ -91,13 +85,8 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for _ in range(args.warmup or (3 if args.compile else 1)):
-        for model, starts in cases.values():
-            step(model, starts)
-    times = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, (model, starts) in cases.items():
-            times[name].append(step(model, starts))
+    times = interleaved({name: lambda case=case: step(*case) for name, case in cases.items()}, args.rounds,
+                        warmup=args.warmup or (3 if args.compile else 1))
 
     medians = {name: statistics.median(samples) for name, samples in times.items()}
     ratios = {name: [t / base for t, base in zip(samples, times["baseline"])] for name, samples in times.items()}
@@ -117,6 +106,3 @@ def main() -> None:
         spread = f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f}"
         print(f"{name:<28}{median * 1e3:>12.1f}{statistics.median(ratios[name]):>8.3f}{spread:>15}{versus}")
 
-
-if __name__ == "__main__":
-    main()
