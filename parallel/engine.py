@@ -1,7 +1,8 @@
 """An engine runs one step's forward and backward over this rank's micro-batches, totals the validation
 loss, and clips gradients, whatever the layout: `DataParallelEngine` when pp == 1 (DDP over the data ranks, or FSDP2's own
 reduce-scatter when fsdp > 1), `PipelineEngine` when pp > 1 (the pipeline schedule with the cross-stage block
-cache). `Engine` is what the trainer may ask of either; `build_engine` picks one.
+cache). `Engine` is what the trainer may ask of either, and both subclass it for its one `clip_grad_norm`;
+`build_engine` picks one.
 """
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ class Engine(Protocol):
         """(sum of loss * tokens, tokens) over the batches, totalled over the ranks that split them."""
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """The whole model's gradient norm, after clipping it to max_norm (0: measure only)."""
+        """The whole model's gradient norm, after clipping it to max_norm (0: measure only): the same in
+        every layout, each parameter's slices and shards found from its placement."""
+        return clip_grad_norm(self.model, max_norm, self.layout)
 
     def comm_report(self) -> dict | None:
         """The pipeline's planned and measured message sizes; None without pp."""
@@ -76,7 +79,7 @@ def cp_document_starts(inputs: torch.Tensor, boundary: int | None, layout: Layou
     return starts.chunk(layout.cp, dim=1)[layout.cp_rank]  # (B, T/cp)
 
 
-class DataParallelEngine:
+class DataParallelEngine(Engine):
     """pp == 1. fsdp == 1: DDP over the data ranks (none with one), on tp/ep slices. fsdp > 1: the
     fully_shard-ed Decoder, whose parameters (and so its optimizer state and checkpoint entries) are
     DTensors; FSDP's reduce-scatter averages gradients over the data ranks, and under tp it shards each
@@ -144,14 +147,11 @@ class DataParallelEngine:
         totals = all_reduce(all_reduce(totals, self.layout.tp_group), self.layout.cp_group)
         return totals[0].item(), int(totals[1].item())
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, max_norm, self.layout)
-
     def comm_report(self) -> dict | None:
         return None
 
 
-class PipelineEngine:
+class PipelineEngine(Engine):
     """pp > 1: this rank's chunks run by the schedule (parallel/pipeline/runner.py). `document_boundary`: as
     DataParallelEngine's; every stage gets its microbatch's starts from the schedule, which hands the whole
     batch's keyword arguments to every rank."""
@@ -215,9 +215,6 @@ class PipelineEngine:
                 tokens += count
         self.model.train()
         return loss_sum, tokens
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.model, max_norm, self.layout)
 
     def comm_report(self) -> dict:
         """The planned message layout (vectors per token per transition) and the bytes per token the

@@ -2,7 +2,7 @@
 
 Parameters are counted on a meta-device model (nothing is allocated): each parameter goes to the
 pipeline rank whose chunk holds it (parallel/pipeline/plan.py's split), routed experts are divided by
-ep, the head-split weights of parallel/tensor.py by tp, and whatever a rank then holds by fsdp, times cp
+ep, the weights parallel/tensor.py's TP_SPLITS names by tp, and whatever a rank then holds by fsdp, times cp
 when fsdp > 1 (FSDP shards over fsdp x cp, parallel/dims.py's build_layout); with fsdp = 1 the cp ranks
 hold full replicas (DDP over dp x cp).
 
@@ -58,6 +58,7 @@ from model.config import ModelConfig
 from model.residual.geometry import DepthGeometry, channel_mixer_sublayer, token_mixer_sublayer, transformer_block_of
 from parallel.dims import Degrees, resolve_precision
 from parallel.float8 import float8_linear_names
+from parallel.tensor import tp_split_names
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -75,16 +76,6 @@ class ParamCount:
     stage: int = 0            # parameters of this rank's pipeline stage before any tp/ep slicing
     float8: int = 0           # of `rank`: weights of the Linears train.float8 converts (float8_weights)
     blocks: list[int] = field(default_factory=list)  # transformer blocks this rank runs
-
-
-def _tp_split(name: str) -> bool:
-    """parallel/tensor.py: the head- and channel-split weights of KDA, MLA and the dense SwiGLU."""
-    if ".attn." in name:
-        kda = ("q_proj", "k_proj", "v_proj", "b_proj", "f_proj.1", "g_proj.1", "q_conv1d", "k_conv1d", "v_conv1d",
-               "A_log", "dt_bias", "o_proj")
-        mla = ("q_proj", "kv_b_proj", "o_proj")
-        return any(f".attn.{part}" in name for part in kda + mla) and "kv_a" not in name
-    return ".mlp.gate_proj" in name or ".mlp.up_proj" in name or ".mlp.down_proj" in name
 
 
 def _block_of(name: str) -> int | None:
@@ -106,6 +97,12 @@ def parameter_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {name: p.numel() for name, p in build_model(cfg, device="meta").named_parameters()}
 
 
+def tp_split_weights(cfg: ModelConfig) -> frozenset[str]:
+    """Names of the parameters tp splits (parallel/tensor.py's TP_SPLITS)."""
+    from model import build_model
+    return tp_split_names(build_model(cfg, device="meta"))
+
+
 def float8_weights(cfg: ModelConfig, tp: int) -> frozenset[str]:
     """Names of the weights whose Linears train.float8 converts at this tp degree."""
     from model import build_model
@@ -113,10 +110,14 @@ def float8_weights(cfg: ModelConfig, tp: int) -> frozenset[str]:
 
 
 def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, int] | None = None,
-                          float8: frozenset[str] = frozenset()) -> list[ParamCount]:
+                          float8: frozenset[str] = frozenset(),
+                          tp_split: frozenset[str] | None = None) -> list[ParamCount]:
     """One ParamCount per pipeline rank (a tp/ep/fsdp rank of it holds the same amounts). `float8`: the
-    weight names train.float8 converts (float8_weights), none without it."""
+    weight names train.float8 converts (float8_weights), none without it. `sizes` (parameter_sizes) and
+    `tp_split` (tp_split_weights): the model's, found here when not given."""
     params = sizes or parameter_sizes(cfg)
+    if tp_split is None:
+        tp_split = tp_split_weights(cfg) if layout.tp > 1 else frozenset()
     total = sum(params.values())
     per_rank = stage_blocks(cfg, layout.pp, layout.vp)
     counts = []
@@ -137,7 +138,7 @@ def count_rank_parameters(cfg: ModelConfig, layout: Degrees, sizes: dict[str, in
             if ".mlp.w_" in name:
                 n //= layout.ep
                 experts += n
-            elif layout.tp > 1 and _tp_split(name):
+            elif layout.tp > 1 and name in tp_split:
                 n //= layout.tp
                 split += n
             held += n
@@ -467,13 +468,13 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
     budget = gpu_bytes * (1 - headroom)
     fitting = []
     cache: dict[tuple, list[ParamCount]] = {}
-    sizes = parameter_sizes(cfg)
+    sizes, tp_split = parameter_sizes(cfg), tp_split_weights(cfg)
     for layout in candidate_layouts(cfg, gpus, seq_len, micro_batch=micro_batch, global_batch=global_batch):
         microbatches = global_batch // (micro_batch * layout.data_ranks)
         key = (layout.pp, layout.vp, layout.tp, layout.ep)
         if key not in cache:
             converted = float8_weights(cfg, layout.tp) if float8 else frozenset()
-            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes, converted)
+            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes, converted, tp_split)
         for mode in MODES:
             p = plan(cfg, layout, seq_len=seq_len, micro_batch=micro_batch, microbatches=microbatches, mode=mode,
                      device=device, capacity=capacity, counts=cache[key], precision=precision)

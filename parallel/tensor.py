@@ -55,44 +55,52 @@ def _region(module: nn.Module, group) -> None:
     module.register_forward_hook(lambda _, args, output: scatter_sequence(output, group))
 
 
-def _shard_linear(linear: nn.Linear, prefix: str, dim: int, rank: int, tp: int) -> None:
-    """dim 0: column-parallel (output features split); dim 1: row-parallel (input features split)."""
-    if dim == 1 and linear.bias is not None:
-        raise ValueError(f"{prefix}bias: a row-parallel linear with a bias would add it tp times")
-    place(linear, prefix, "weight", dim, "tp", rank, tp)
-    if dim == 0 and linear.bias is not None:
-        place(linear, prefix, "bias", 0, "tp", rank, tp)
-    linear.out_features, linear.in_features = linear.weight.shape
+# What tp splits, per module kind: the path of each split weight in the module and the dim it is split along.
+# 0: output features, by head or channel (column-parallel, a bias split with them); 1: input features
+# (row-parallel). KDA's q/k/v, beta, the decay's and the gate's second projections, depthwise convs and
+# per-channel decay parameters are head-major. MLA's kv latent (kv_a_proj, kv_a_norm) is shared by all heads
+# and stays replicated. `apply_tensor_parallel` splits these and the memory planner counts them.
+TP_SPLITS: dict[type[nn.Module], dict[str, int]] = {
+    KimiDeltaAttention: {"q_proj": 0, "k_proj": 0, "v_proj": 0, "b_proj": 0, "f_proj.1": 0, "g_proj.1": 0,
+                         "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0, "A_log": 0, "dt_bias": 0, "o_proj": 1},
+    MultiHeadLatentAttention: {"q_proj": 0, "kv_b_proj": 0, "o_proj": 1},
+    SwiGLU: {"gate_proj": 0, "up_proj": 0, "down_proj": 1},
+}
 
 
-def _shard_kda(attn: KimiDeltaAttention, prefix: str, rank: int, tp: int) -> None:
-    # q/k/v, beta, the decay's and the gate's second projections are head-major: split rows by head.
-    for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
-        _shard_linear(getattr(attn, name), f"{prefix}{name}.", 0, rank, tp)
-    _shard_linear(attn.f_proj[1], f"{prefix}f_proj.1.", 0, rank, tp)
-    _shard_linear(attn.g_proj[1], f"{prefix}g_proj.1.", 0, rank, tp)
-    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):  # depthwise: one filter per channel
-        conv = getattr(attn, name)
-        place(conv, f"{prefix}{name}.", "weight", 0, "tp", rank, tp)
-        conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    place(attn, prefix, "A_log", 0, "tp", rank, tp)
-    place(attn, prefix, "dt_bias", 0, "tp", rank, tp)
-    _shard_linear(attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
-    attn.n_heads //= tp
+def _split_parameters(module: nn.Module) -> list[tuple[nn.Module, str, str, int]]:
+    """(owner, parameter name, its path in `module`, dim) of every parameter TP_SPLITS splits in `module`;
+    none for a module kind tp leaves whole (the MoE)."""
+    splits = next((s for kind, s in TP_SPLITS.items() if isinstance(module, kind)), {})
+    out = []
+    for path, dim in splits.items():
+        if isinstance(getattr(module, path, None), nn.Parameter):
+            out.append((module, path, path, dim))
+            continue
+        part = module.get_submodule(path)
+        if dim == 1 and part.bias is not None:
+            raise ValueError(f"{path}.bias: a row-parallel linear with a bias would add it tp times")
+        out.append((part, "weight", f"{path}.weight", dim))
+        if dim == 0 and part.bias is not None:
+            out.append((part, "bias", f"{path}.bias", dim))
+    return out
 
 
-def _shard_mla(attn: MultiHeadLatentAttention, prefix: str, rank: int, tp: int) -> None:
-    # The kv latent (kv_a_proj, kv_a_norm) is shared by all heads and stays replicated.
-    _shard_linear(attn.q_proj, f"{prefix}q_proj.", 0, rank, tp)
-    _shard_linear(attn.kv_b_proj, f"{prefix}kv_b_proj.", 0, rank, tp)
-    _shard_linear(attn.o_proj, f"{prefix}o_proj.", 1, rank, tp)
-    attn.n_heads //= tp
+def tp_split_names(model: Decoder) -> frozenset[str]:
+    """The names of the parameters `apply_tensor_parallel` splits."""
+    return frozenset(f"layers.{key}.{sublayer}.{path}" for key, block in model.layers.items()
+                     for sublayer in ("attn", "mlp") for _, _, path, _ in _split_parameters(getattr(block, sublayer)))
 
 
-def _shard_swiglu(mlp: SwiGLU, prefix: str, rank: int, tp: int) -> None:
-    _shard_linear(mlp.gate_proj, f"{prefix}gate_proj.", 0, rank, tp)
-    _shard_linear(mlp.up_proj, f"{prefix}up_proj.", 0, rank, tp)
-    _shard_linear(mlp.down_proj, f"{prefix}down_proj.", 1, rank, tp)
+def _shard(module: nn.Module, prefix: str, rank: int, tp: int) -> None:
+    """Keep this rank's slice of every parameter TP_SPLITS splits in `module`; a split Linear or depthwise
+    conv takes its new feature or channel count."""
+    for owner, name, path, dim in _split_parameters(module):
+        place(owner, prefix + path.removesuffix(name), name, dim, "tp", rank, tp)
+        if isinstance(owner, nn.Linear):
+            owner.out_features, owner.in_features = owner.weight.shape
+        elif isinstance(owner, nn.Conv1d):  # depthwise: one filter per channel
+            owner.in_channels = owner.out_channels = owner.groups = owner.weight.shape[0]
 
 
 class SequenceTotals:
@@ -128,13 +136,11 @@ def apply_tensor_parallel(model: Decoder, layout: Layout) -> None:
     rank, tp, group = layout.tp_rank, layout.tp, layout.tp_group
     for key, block in model.layers.items():
         prefix = f"layers.{key}."
-        if isinstance(block.attn, KimiDeltaAttention):
-            _shard_kda(block.attn, prefix + "attn.", rank, tp)
-        else:
-            _shard_mla(block.attn, prefix + "attn.", rank, tp)
+        _shard(block.attn, prefix + "attn.", rank, tp)
+        block.attn.n_heads //= tp
         _region(block.attn, group)
         if isinstance(block.mlp, SwiGLU):
-            _shard_swiglu(block.mlp, prefix + "mlp.", rank, tp)
+            _shard(block.mlp, prefix + "mlp.", rank, tp)
             _region(block.mlp, group)
 
 
