@@ -198,19 +198,19 @@ class Layout:
     """Where this rank sits in the (dp, fsdp, cp, pp, tp) mesh of `degrees`, and the groups it talks to.
 
     `data_ranks` is the ranks that see different data (replicas times fsdp shards;
-    `dp_group` links them, `dp_rank` picks this rank's share of a batch). FSDP2 shards parameters,
+    `data_group` links them, `data_rank` picks this rank's share of a batch). FSDP2 shards parameters,
     gradients and optimizer state over the `fsdp` ranks of one replica (`fsdp_mesh`: 1-D, or 2-D
     (replica, shard) for HSDP), and over the cp ranks too. Expert parallelism splits each dp group into
     ep-sized groups that share one copy of the routed experts (`ep_group`); `expert_dp_group` links the
     ranks holding the same expert shard. Context parallelism gives the `cp` ranks of `cp_group` slice
     `cp_rank` of the same sequences; a parameter's gradient is averaged over `dp_cp_group`, the data
-    ranks times the cp ranks (the same ranks as `dp_group` without cp)."""
+    ranks times the cp ranks (the same ranks as `data_group` without cp)."""
     degrees: Degrees = Degrees()
-    dp_rank: int = 0
+    data_rank: int = 0
     pp_rank: int = 0
     tp_rank: int = 0
     ep_rank: int = 0
-    dp_group: object | None = None
+    data_group: object | None = None
     pp_group: object | None = None
     tp_group: object | None = None
     ep_group: object | None = None
@@ -278,8 +278,8 @@ def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
         fsdp_mesh = mesh["replica", shard_name]
     elif fsdp > 1:
         fsdp_mesh = mesh["dp_rep", shard_name] if dp > 1 else shard_dim
-    return Layout(degrees=degrees, dp_rank=data_mesh.get_local_rank(), pp_rank=mesh.get_local_rank("pp"),
-                  tp_rank=mesh.get_local_rank("tp"), ep_rank=mesh.get_local_rank("ep"), dp_group=data_mesh.get_group(),
+    return Layout(degrees=degrees, data_rank=data_mesh.get_local_rank(), pp_rank=mesh.get_local_rank("pp"),
+                  tp_rank=mesh.get_local_rank("tp"), ep_rank=mesh.get_local_rank("ep"), data_group=data_mesh.get_group(),
                   pp_group=mesh.get_group("pp"), tp_group=mesh.get_group("tp"), ep_group=mesh.get_group("ep"),
                   expert_dp_group=expert_dp_group, mesh=mesh, fsdp_mesh=fsdp_mesh, cp_rank=mesh.get_local_rank("cp"),
                   cp_group=mesh.get_group("cp"), dp_cp_group=dp_cp_group)

@@ -57,11 +57,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def rank_share(items: list, layout: Layout, lockstep: bool):
-    """This rank's share of `items` (every dp-th, from dp_rank) as (item, counted) pairs. In lockstep
+    """This rank's share of `items` (every data_ranks-th, from data_rank) as (item, counted) pairs. In lockstep
     every data rank runs the same number of forwards, because a forward talks to the other data ranks
     (FSDP gathers parameters, expert parallelism sends tokens to the ep peers): a rank whose share is one
     short runs its last item again and does not count it."""
-    data_ranks, rank = layout.data_ranks, layout.dp_rank
+    data_ranks, rank = layout.data_ranks, layout.data_rank
     if not lockstep:
         return [(items[i], True) for i in range(rank, len(items), data_ranks)]
     rounds = -(-len(items) // data_ranks)

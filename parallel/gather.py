@@ -26,7 +26,7 @@ def whole_state_dict(model: nn.Module, layout: Layout, shapes: dict[str, torch.T
     Collective: every rank calls it."""
     state = to_global_state({"model": get_model_state_dict(model)}, model, layout.mesh)["model"]
     # The pipeline group of rank 0: the ranks at index 0 of every other mesh dimension.
-    keeps = (layout.dp_rank, layout.tp_rank, layout.cp_rank, layout.ep_rank) == (0, 0, 0, 0)
+    keeps = (layout.data_rank, layout.tp_rank, layout.cp_rank, layout.ep_rank) == (0, 0, 0, 0)
     local = {}
     for name, value in sorted(state.items()):  # sorted: the ranks of one group gather in the same order
         whole = value.full_tensor() if isinstance(value, DTensor) else value

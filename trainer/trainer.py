@@ -250,7 +250,7 @@ class Trainer:
     def train_step(self) -> dict:
         train = self.cfg.train
         start = time.perf_counter()
-        samples = self.sampler.next_batch(train.global_batch, self.layout.dp_rank, self.layout.data_ranks)
+        samples = self.sampler.next_batch(train.global_batch, self.layout.data_rank, self.layout.data_ranks)
         # Diagnostics need the whole model on one rank (not pipeline stages or tp slices).
         # Diagnostics need the whole model and whole sequences on one rank (cp's first slice is not typical).
         whole_model = self.layout.pp == 1 and self.layout.degrees.sequence_ranks == 1
@@ -301,8 +301,8 @@ class Trainer:
                    for batch in self.samples.val_batches(train.micro_batch, train.eval_batches)]
         loss_sum, tokens = self.engine.loss_totals(batches, self._autocast)
         totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-        if self.layout.dp_group is not None:
-            torch.distributed.all_reduce(totals, group=self.layout.dp_group)
+        if self.layout.data_group is not None:
+            torch.distributed.all_reduce(totals, group=self.layout.data_group)
         return (totals[0] / totals[1]).item()
 
     def _evaluate_tasks(self, log: MetricsLogger, tokens: int) -> None:

@@ -134,7 +134,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     reference_params = dict(reference.named_parameters())
     init_error = max((whole(p.detach(), name, engine) - reference_params[name].detach()).abs().max().item()
                      for name, p in engine.model.named_parameters())
-    mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+    mine = batches[layout.data_rank * MICROBATCHES:(layout.data_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, autocast, None)
     grad_norm = engine.clip_grad_norm(0.0)
     sync_moe_load(engine.model, layout)
@@ -189,7 +189,7 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
     original = _fsdp_param_group.foreach_reduce
     _fsdp_param_group.foreach_reduce = lambda *args, **kwargs: reduces.append(1) or original(*args, **kwargs)
     try:
-        mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+        mine = batches[layout.data_rank * MICROBATCHES:(layout.data_rank + 1) * MICROBATCHES]
         loss = engine.forward_backward(mine, autocast, None)
     finally:
         _fsdp_param_group.foreach_reduce = original

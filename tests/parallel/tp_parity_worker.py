@@ -110,7 +110,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
         for module in engine.model.modules():
             if isinstance(getattr(module, "sequence_split", None), ContextSplit) and hasattr(module, "conv_kernel"):
                 module.sequence_split.start_state = lambda final, transition: torch.zeros_like(final)
-    mine = batches[layout.dp_rank * MICROBATCHES:(layout.dp_rank + 1) * MICROBATCHES]
+    mine = batches[layout.data_rank * MICROBATCHES:(layout.data_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, contextlib.nullcontext, None)
     grad_norm = engine.clip_grad_norm(1e9)
     # Expert load summed over the ranks that routed different tokens: each token counted once, as in one process.

@@ -197,7 +197,7 @@ def test_a_prefix_written_by_megatron_core_is_read_as_it_is(tmp_path):
     assert mixed.tokenizer_file == tokenizer
 
 
-def test_dp_ranks_take_disjoint_contiguous_slices_and_resume_exactly():
+def test_data_ranks_take_disjoint_contiguous_slices_and_resume_exactly():
     per_rank = []
     for rank in range(4):
         sampler = SampleSampler(pass_samples=50, seq_len=8, seed=1)

@@ -189,17 +189,15 @@ class SampleSampler:
     def epoch(self) -> int:
         return self.consumed_samples // self.pass_samples
 
-    def passes_for(self, samples: int) -> int:
-        return -(-samples // self.pass_samples)
-
-    def next_batch(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
-        """Sample numbers for this rank's share of the next global batch; advances by global_batch."""
-        if global_batch % dp_size != 0:
-            raise ValueError(f"global_batch {global_batch} is not divisible by dp_size {dp_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
-        per_rank = global_batch // dp_size
-        first = self.consumed_samples + dp_rank * per_rank
+    def next_batch(self, global_batch: int, data_rank: int = 0, data_ranks: int = 1) -> list[int]:
+        """Sample numbers for this data rank's share of the next global batch (the ranks that see different
+        data: parallel/dims.py's data_ranks); advances by global_batch."""
+        if global_batch % data_ranks != 0:
+            raise ValueError(f"global_batch {global_batch} is not divisible by the {data_ranks} data ranks")
+        if not 0 <= data_rank < data_ranks:
+            raise ValueError(f"data rank {data_rank} outside [0, {data_ranks})")
+        per_rank = global_batch // data_ranks
+        first = self.consumed_samples + data_rank * per_rank
         self.consumed_samples += global_batch
         return list(range(first, first + per_rank))
 
