@@ -31,9 +31,9 @@ A_MIN, A_MAX = 1.0, 16.0
 
 
 @dataclass
-class KDAState:
-    """What decoding carries between calls: the last conv_kernel - 1 convolution inputs and the
-    recurrent state. KimiDeltaAttention.forward replaces these fields with the updated ones."""
+class KDACache:
+    """What decoding carries between calls (KDA's decoding cache): the last conv_kernel - 1 convolution
+    inputs and the recurrent state. KimiDeltaAttention.forward replaces these fields with the updated ones."""
     conv_q: torch.Tensor     # (B, conv_kernel-1, H*K)
     conv_k: torch.Tensor     # (B, conv_kernel-1, H*K)
     conv_v: torch.Tensor     # (B, conv_kernel-1, H*V)
@@ -102,37 +102,37 @@ class KimiDeltaAttention(nn.Module):
             log_dt = torch.rand_like(self.dt_bias) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)
             self.dt_bias.copy_(_inverse_softplus(log_dt.exp().clamp(min=DT_FLOOR)))
 
-    def new_state(self, batch: int, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> KDAState:
-        """Empty state: zero conv history (the training path's left padding) and zero recurrent state."""
+    def new_cache(self, batch: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> KDACache:
+        """Empty cache: zero conv history (the training path's left padding) and zero recurrent state."""
         H, K, W = self.n_heads, self.head_dim, self.conv_kernel
         tail = torch.zeros(batch, W - 1, H * K, device=device, dtype=dtype)
-        return KDAState(conv_q=tail, conv_k=tail.clone(), conv_v=tail.clone(),
+        return KDACache(conv_q=tail, conv_k=tail.clone(), conv_v=tail.clone(),
                         recurrent=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None,
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None,
                 document_starts: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, d) -> (B, T, d). Without a state: a whole sequence from scratch (training).
-        With a state: x holds the T >= 1 tokens that follow it, and the state's fields are replaced
+        """x: (B, T, d) -> (B, T, d). Without a cache: a whole sequence from scratch (training).
+        With a cache: x holds the T >= 1 tokens that follow it, and the cache's fields are replaced
         by the ones after these tokens. document_starts (B, T) bool, training only: no token sees an
         earlier document."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         window = None
         split = self.sequence_split
-        if split is not None and state is not None:
+        if split is not None and cache is not None:
             raise ValueError("KimiDeltaAttention: a sequence_split (context parallelism) trains whole slices; it "
-                             "takes no decoding state")
+                             "takes no decoding cache")
         if document_starts is not None:
-            check_document_starts(document_starts, B, T, state, "KimiDeltaAttention")
+            check_document_starts(document_starts, B, T, cache, "KimiDeltaAttention")
             previous = None
             if split is not None:  # the earlier tokens the convolution reads may be in other documents
                 previous = split.previous_rows(document_starts.unsqueeze(-1).float(), self.conv_kernel - 1)
                 previous = previous.squeeze(-1).bool()  # (B, W-1)
             window = same_document_window(document_starts, self.conv_kernel, previous)  # (B, T, W)
         projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (B, T, H*K) each
-        if state is not None:
-            tails = (state.conv_q, state.conv_k, state.conv_v)
+        if cache is not None:
+            tails = (cache.conv_q, cache.conv_k, cache.conv_v)
         elif split is not None:  # one exchange for the three convolutions' histories
             tails = split.previous_rows(torch.cat(projected, dim=-1), self.conv_kernel - 1).chunk(3, dim=-1)
         else:
@@ -152,16 +152,16 @@ class KimiDeltaAttention(nn.Module):
         if split is not None:
             o = kda_chunk_from_unknown_start(q, k, v, g, beta, self.scale, self.chunk_size, split.start_state,
                                              impl=self.kernel_impl, resets=document_starts)
-        elif state is None:
+        elif cache is None:
             o, _ = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, impl=self.kernel_impl,
                              resets=document_starts)
         elif T == 1:  # decode step: the plain recurrence, no chunk padding
-            o, state.recurrent = kda_recurrent(q, k, v, g, beta, self.scale, state.recurrent, True)
-        else:  # prefill continuing from the state
-            o, state.recurrent = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, state.recurrent, True,
+            o, cache.recurrent = kda_recurrent(q, k, v, g, beta, self.scale, cache.recurrent, True)
+        else:  # prefill continuing from the cached recurrent state
+            o, cache.recurrent = kda_chunk(q, k, v, g, beta, self.scale, self.chunk_size, cache.recurrent, True,
                                            impl=self.kernel_impl)
-        if state is not None:
-            state.conv_q, state.conv_k, state.conv_v = tail_q, tail_k, tail_v
+        if cache is not None:
+            cache.conv_q, cache.conv_k, cache.conv_v = tail_q, tail_k, tail_v
         o = o.to(x.dtype)  # (B, T, H, V)
 
         gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)  # (B, T, H, V)

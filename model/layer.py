@@ -31,9 +31,7 @@ class TransformerBlock(nn.Module):
 
     def new_cache(self, batch: int, device, dtype):
         """This block's decoding cache: the KDA recurrent state or the MLA compressed KV."""
-        if isinstance(self.attn, MultiHeadLatentAttention):
-            return self.attn.new_cache(batch, device, dtype)
-        return self.attn.new_state(batch, device, dtype)
+        return self.attn.new_cache(batch, device, dtype)
 
     def forward(self, state: DepthState, mixer: ResidualMixer, cache=None,
                 document_starts: torch.Tensor | None = None) -> DepthState:

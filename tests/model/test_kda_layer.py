@@ -1,4 +1,4 @@
-"""The KDA layer: full-sequence path against decode and chunked prefill with state, causality, gradients."""
+"""The KDA layer: full-sequence path against decode and chunked prefill with its cache, causality, gradients."""
 import pytest
 import torch
 
@@ -26,19 +26,19 @@ def make_input(batch: int = 2) -> torch.Tensor:
 def test_token_by_token_decode_matches_full_sequence():
     layer, x = make_layer(), make_input()
     full = layer(x)
-    state = layer.new_state(x.shape[0], dtype=x.dtype)
-    stepped = torch.cat([layer(x[:, t:t + 1], state) for t in range(T)], dim=1)
+    cache = layer.new_cache(x.shape[0], dtype=x.dtype)
+    stepped = torch.cat([layer(x[:, t:t + 1], cache) for t in range(T)], dim=1)
     assert full.abs().max() > 0.05
     torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("split", [1, 20, 32])
 @torch.no_grad()
-def test_two_chunks_with_state_match_full_sequence(split):
+def test_two_chunks_with_a_cache_match_full_sequence(split):
     layer, x = make_layer(), make_input()
     full = layer(x)
-    state = layer.new_state(x.shape[0], dtype=x.dtype)
-    pieces = torch.cat([layer(x[:, :split], state), layer(x[:, split:], state)], dim=1)
+    cache = layer.new_cache(x.shape[0], dtype=x.dtype)
+    pieces = torch.cat([layer(x[:, :split], cache), layer(x[:, split:], cache)], dim=1)
     torch.testing.assert_close(pieces, full, atol=1e-5, rtol=1e-4)
 
 

@@ -122,8 +122,8 @@ def test_slices_in_order_equal_the_whole_sequence(make_layer, slices, starts):
     assert (out_control - out_whole).abs().max() > 1e-2
 
 
-def test_a_split_refuses_a_decoding_state():
+def test_a_split_refuses_a_decoding_cache():
     layer, x = kda(), torch.randn(1, 8, D)
     layer.sequence_split = InOrderSplit()
     with pytest.raises(ValueError, match="sequence_split"):
-        layer(x, layer.new_state(1))
+        layer(x, layer.new_cache(1))
