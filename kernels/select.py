@@ -1,6 +1,7 @@
-"""Which implementation of an op runs: `impl = auto | reference | triton`.
+"""Which implementation of an op runs: `impl = auto | torch | triton`.
 
-`auto` takes Triton for CUDA tensors when triton imports, and the plain-torch reference elsewhere.
+`torch` is plain torch, no fused kernel: an op's `reference.py` (KDA: its chunkwise form, `chunk.py`).
+`auto` takes Triton for CUDA tensors when triton imports, and plain torch elsewhere.
 `triton` insists (on CPU it needs TRITON_INTERPRET=1, which is how the tests run the kernels).
 Triton is imported only on the Triton path: the project never needs it installed.
 """
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-IMPLS = ("auto", "reference", "triton")
+IMPLS = ("auto", "torch", "triton")
 
 
 @functools.cache
@@ -30,7 +31,7 @@ def triton_refusal(on_cuda: bool) -> str | None:
 
 
 def use_triton(impl: str, tensor: torch.Tensor) -> bool:
-    if impl == "reference":
+    if impl == "torch":
         return False
     if impl == "triton":
         refusal = triton_refusal(tensor.is_cuda)

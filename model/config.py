@@ -65,7 +65,7 @@ class ModelConfig:
     init: str = "scaled"            # scaled (embedding std 1, output projections / sqrt(L), head d^-0.5) | flat (all
                                     # init_std; model/init.py)
     init_std: float = 0.02          # input-side projections; the scheme derives the other stds from it
-    kernel_impl: str = "auto"       # auto (Triton on CUDA, plain torch elsewhere) | reference | triton: fused kernels
+    kernel_impl: str = "auto"       # auto (Triton on CUDA, plain torch elsewhere) | torch | triton: fused kernels
                                     # (AttnRes two-phase read, PreNorms)
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)

@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = K = cfg.kda.head_dim  # d_k = d_v
         self.conv_kernel = W = cfg.kda.conv_kernel
         self.chunk_size = cfg.kda.chunk_size
-        self.kernel_impl = cfg.kernel_impl  # fla-core's fused chunk kernel on CUDA unless "reference"
+        self.kernel_impl = cfg.kernel_impl  # fla-core's fused chunk kernel on CUDA unless "torch"
         self.scale = K ** -0.5
 
         self.q_proj = nn.Linear(d, H * K, bias=False)

@@ -8,10 +8,10 @@ from kernels.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, impl: str = "reference"):
+    def __init__(self, dim: int, eps: float = 1e-5, impl: str = "torch"):
         super().__init__()
         self.eps = eps
-        self.impl = impl  # auto | reference | triton (ModelConfig.kernel_impl for the model's norms)
+        self.impl = impl  # auto | torch | triton (ModelConfig.kernel_impl for the model's norms)
         self.weight = nn.Parameter(torch.empty(dim))
 
     def init_weights(self, stds) -> None:

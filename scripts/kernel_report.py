@@ -80,7 +80,7 @@ def geometry(size: str, residual: str) -> Geometry:
     # Depth block n (1-based) reads b_0 .. b_{n-1} for its queries: sublayers (n-1)S+1 .. min(nS, L).
     calls = tuple((n, min(S, L - (n - 1) * S)) for n in range(1, math.ceil(L / S) + 1))
     model = build_model(cfg, device="meta")
-    widths = sorted({m.weight.shape[0] for m in model.modules() if isinstance(m, RMSNorm) and m.impl != "reference"})
+    widths = sorted({m.weight.shape[0] for m in model.modules() if isinstance(m, RMSNorm) and m.impl != "torch"})
     return Geometry(model_cfg.d_model, options.heads, options.key_norm, calls, tuple(widths))
 
 

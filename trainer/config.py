@@ -295,7 +295,7 @@ def validate(cfg: Config) -> Config:
 
         refusal = triton_refusal(on_cuda=torch.cuda.is_available())
         if refusal is not None:
-            raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or reference")
+            raise ConfigError(f"model.kernel_impl=triton: {refusal}; use model.kernel_impl=auto or torch")
     if cfg.train.float8:
         import torch
 

@@ -6,7 +6,7 @@ transformers loads remote code from one flat directory and copies a module's rel
 `inference.hf.X` -> `X.py`) whose imports of our modules become `from .FLAT import NAMES`. One source of
 truth: the exported model runs the code the trainer ran, never a copy kept by hand.
 
-Left out: the Triton kernels and fla (the export runs plain torch, with `kernel_impl="reference"`). Their
+Left out: the Triton kernels and fla (the export runs plain torch, with `kernel_impl="torch"`). Their
 imports are lazy, inside the dispatchers' fast-path branches, and become `raise ImportError(...)` there;
 an import of them at module level, a relative import, or `from PACKAGE import SUBMODULE` is refused
 (BundleError), since the flattened copy could not keep it.

@@ -9,7 +9,7 @@ from transformers import PreTrainedConfig
 from model.config import ModelConfig, model_config_from_dict
 
 # The exported code carries only the plain-torch reference kernels (no Triton, no fla).
-EXPORTED_KERNEL_IMPL = "reference"
+EXPORTED_KERNEL_IMPL = "torch"
 
 
 class AttnResConfig(PreTrainedConfig):

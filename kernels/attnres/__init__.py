@@ -1,4 +1,4 @@
-"""Depth attention ops for AttnRes, dispatched by `impl = auto | reference | triton` (see kernels.select).
+"""Depth attention ops for AttnRes, dispatched by `impl = auto | torch | triton` (see kernels.select).
 
 The two-phase read (`phase1`, `phase2`) has fused Triton kernels for the softmax kernel in fp32, bf16
 and fp16; the sigmoid kernel and fp64 (the tests' oracle precision) always take the reference. The

@@ -2,9 +2,9 @@
 
 The oracle is `reference.py`'s token-by-token recurrence (also the one-token decode step); every other
 form is tested against it. `chunk.py` is the chunkwise-parallel form in plain torch: the CPU path, and
-what `impl="reference"` runs (plain torch, no fused kernel). On CUDA tensors, `impl` auto or triton
+what `impl="torch"` runs (no fused kernel). On CUDA tensors, `impl` auto or triton
 uses fla-core's fused `chunk_kda` when that optional package imports (it has no CPU path, not even
-under the Triton interpreter); `reference` always runs ours. With resets (document masking) fla runs
+under the Triton interpreter); `torch` always runs ours. With resets (document masking) fla runs
 its varlen form: the batch flattened to one row cut into documents at `varlen_offsets`. `kda_chunk_from_unknown_start`
 runs one piece of a sequence split across processes (context parallelism) before its start state is known.
 """
@@ -40,7 +40,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               impl: str = "auto", resets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.kda.chunk.kda_chunk (q, k, g (B, T, H, K); v (B, T, H, V); beta (B, T, H);
     state (B, H, K, V); resets (B, T) bool). fla's chunk length is its own; the recurrence computed is the same."""
-    if impl != "reference" and q.is_cuda and fla_available():
+    if impl != "torch" and q.is_cuda and fla_available():
         from fla.ops.kda import chunk_kda
         # fla wants q, k and v in one dtype; ours arrive with q, k in fp32 after their L2 norm.
         q, k = q.to(v.dtype), k.to(v.dtype)
@@ -48,7 +48,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state)
         if initial_state is not None or output_final_state:
-            raise ValueError("kda_chunk: resets with initial_state or output_final_state run on impl='reference' "
+            raise ValueError("kda_chunk: resets with initial_state or output_final_state run on impl='torch' "
                              "only; fla's varlen form keeps one state per document, not per row")
         B, T = resets.shape
         o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)), scale=scale,
@@ -77,7 +77,7 @@ def kda_chunk_from_unknown_start(
     identity = torch.eye(K, device=q.device).expand(B, H, K, K)  # (B, H, K, K)
     augmented_start = torch.cat([q.new_zeros(B, H, K, V, dtype=torch.float32), identity], dim=-1)  # (B, H, K, V+K)
     o, final = kda_chunk(q, k, values, g, beta, scale, chunk_size, augmented_start, True,
-                         impl=impl if resets is None else "reference", resets=resets)
+                         impl=impl if resets is None else "torch", resets=resets)
     o_from_zero, start_reads = o.float().split([V, K], dim=-1)  # (B, T, H, V), (B, T, H, K)
     final_from_zero, transition = final.float().split([V, K], dim=-1)  # (B, H, K, V), (B, H, K, K)
     start = start_state(final_from_zero, transition)  # (B, H, K, V)

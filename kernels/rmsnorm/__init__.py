@@ -1,4 +1,4 @@
-"""RMSNorm with a learnable gain, dispatched by `impl = auto | reference | triton` (see kernels.select).
+"""RMSNorm with a learnable gain, dispatched by `impl = auto | torch | triton` (see kernels.select).
 The fused kernel covers fp32, bf16 and fp16; fp64 (the tests' oracle precision) takes the reference."""
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def phase1_case(tokens: int, d: int, n: int, s: int, dtype: torch.dtype):
     def read(impl):
         return lambda: attnres.phase1(blocks, queries, EPS, impl=impl)[:3]
 
-    cotangents = [torch.randn_like(out) for out in read("reference")()]
+    cotangents = [torch.randn_like(out) for out in read("torch")()]
     nbytes = (3 * n * blocks[0].element_size() + 8 * s) * tokens * d
     return read, [queries, *blocks], cotangents, nbytes
 
@@ -95,7 +95,7 @@ def phase2_case(tokens: int, d: int, dtype: torch.dtype):
     def read(impl):
         return lambda: attnres.phase2(o1, m1, l1, partial, query, EPS, impl=impl)[:1]
 
-    cotangents = [torch.randn_like(read("reference")()[0])]
+    cotangents = [torch.randn_like(read("torch")()[0])]
     nbytes = (12 + 5 * partial.element_size()) * tokens * d
     return read, [o1, m1, l1, partial, query], cotangents, nbytes
 
@@ -104,7 +104,7 @@ def bench(read, inputs, cotangents, nbytes: int, reps: int, peak: float | None) 
     def fwd_bwd(fn):
         return lambda: torch.autograd.grad(fn(), inputs, cotangents)
 
-    reference = read("reference")
+    reference = read("torch")
     compiled = torch.compile(reference)
     fused = read("triton")
     error = max(((f - r).abs().max() / r.abs().max()).item() for f, r in zip(fused(), reference()))

@@ -63,7 +63,7 @@ def test_dispatcher_stacks_only_for_few_tokens(monkeypatch):
     calls = []
     monkeypatch.setattr(attnres, "phase1_stacked", lambda *a: calls.append("stacked") or reference.phase1(*a))
     queries = torch.zeros(2, 1, 8)
-    attnres.phase1(make_sources(3, (1, attnres.STACK_MAX_TOKENS, 8), torch.float32), queries, None, impl="reference")
+    attnres.phase1(make_sources(3, (1, attnres.STACK_MAX_TOKENS, 8), torch.float32), queries, None, impl="torch")
     attnres.phase1(make_sources(3, (1, attnres.STACK_MAX_TOKENS + 1, 8), torch.float32), queries, None,
-                   impl="reference")
+                   impl="torch")
     assert calls == ["stacked"]

@@ -148,12 +148,19 @@ def test_triton_kernels_on_cpu_are_refused_before_any_work(monkeypatch):
     with pytest.raises(ConfigError) as error:
         load_config(["model.kernel_impl=triton"])
     assert str(error.value) == ("model.kernel_impl=triton: impl='triton' on CPU tensors runs only under "
-                                "TRITON_INTERPRET=1 (the Triton interpreter); use model.kernel_impl=auto or reference")
+                                "TRITON_INTERPRET=1 (the Triton interpreter); use model.kernel_impl=auto or torch")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert load_config(["model.kernel_impl=triton"]).model.kernel_impl == "triton"
     # What trainer.config asks on a CUDA machine (on_cuda=torch.cuda.is_available()): no refusal, interpreter or not.
     monkeypatch.delenv("TRITON_INTERPRET")
     assert triton_refusal(on_cuda=True) is None
+
+
+def test_the_old_kernel_impl_reference_is_one_line_naming_the_valid_values():
+    """`reference` became `torch` (KDA's plain-torch path is its chunk form, not kernels/kda/reference.py)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(["model.kernel_impl=reference"])
+    assert str(error.value) == "model.kernel_impl='reference' is not valid; allowed: auto | torch | triton"
 
 
 def test_sizes_have_the_documented_parameter_counts():
