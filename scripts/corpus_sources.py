@@ -60,7 +60,7 @@ PINNED_DEB_SHA256 = {
     "bible-kjv-text_4.38_all.deb": "d61b6aad4c51ba9e2800b825325fa6a09e99a0d02a9bb6dc4724fcc4995a1b7a",
     "dict-gcide_0.48.5+nmu2_all.deb": "7b0af5cfde3cbdef5e9d6e78f92ec335ced7c2790f37a40f49bebc6f7347ac0f",
 }
-NO_ARCHIVE_ADVICE = "run this on a machine with Debian archive access (after apt-get update) and copy its --out directory here"
+NO_ARCHIVE_ADVICE = "run this on a machine with Debian archive access (after apt-get update) and copy its out= directory here"
 
 
 def run_tool(command: list[str], cwd: Path | None = None) -> str:
