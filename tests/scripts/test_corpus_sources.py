@@ -223,12 +223,12 @@ def test_failed_source_leaves_no_file_and_keeps_earlier_records(tmp_path, tiny_s
 
 def test_main_prints_out_dir_and_refuses_an_unknown_source(tmp_path, tiny_sources, capsys):
     out = tmp_path / "out"
-    assert corpus_sources.main(["--out", str(out), "--sources", "tiny,nope"]) == 2
+    assert corpus_sources.main([f"out={out}", "sources=[tiny,nope]"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "error: unknown source 'nope'; valid sources: tiny, broken\n"
     assert captured.out == "" and not out.exists()
 
-    assert corpus_sources.main(["--out", str(out), "--sources", "tiny"]) == 0
+    assert corpus_sources.main([f"out={out}", "sources=tiny"]) == 0
     assert capsys.readouterr().out == f"{out}\n"
-    assert corpus_sources.main(["--out", str(out), "--sources", "broken"]) == 1
+    assert corpus_sources.main([f"out={out}", "sources=broken"]) == 1
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: source broken: apt-get download nope failed")
