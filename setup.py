@@ -21,7 +21,7 @@ setup(
         "omegaconf>=2.3,<2.4",
         "numpy>=1.24",
         "tokenizers>=0.20",  # Tokenizer.encode_batch_fast (trainer/data/prepare.py)
-        # trainer/data/documents.py: reading .parquet and .jsonl.zst inputs (imported only for those).
+        # trainer/data/text_inputs.py: reading .parquet and .jsonl.zst inputs (imported only for those).
         "pyarrow>=14",
         "zstandard>=0.22",
         # inference.export / inference.generate: weights in a format that holds only tensors (no pickle).

@@ -2,7 +2,7 @@
 
     python -m inference.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json
 
-Tasks run in lm-evaluation-harness (lm_eval) through inference/lm_eval_model.py; perplexity is measured here.
+Tasks run in lm-evaluation-harness (lm_eval) through inference/exported_lm.py; perplexity is measured here.
 Only the export is loaded (model.safetensors + config.json, as inference.generate loads it). Every input is
 checked before the model is loaded: a missing export or dataset, a dataset of another tokenizer, or an
 unknown task name is one `error:` line and exit code 2.
@@ -51,14 +51,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from model.documents import document_starts
+from model.document_masking import document_starts
 from trainer.config import Config
 from trainer.data import BlendSamples, default_cache_dir, resolve_blend
 from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, sha256_file, verify_dataset
 from inference.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
 from inference.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
-from inference.lm_eval_model import ExportedAttnResLM
-from trainer.lm_eval_model import AttnResLM, LMEvalError, pick_device
+from inference.exported_lm import ExportedAttnResLM
+from trainer.lm_eval_adapter import AttnResLM, LMEvalError, pick_device
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 from trainer.files.safe_io import write_file
 

@@ -8,7 +8,7 @@ Options (key=value):
   overwrite=false replace an existing export in out (a directory holding only an export's files: anything
                   else in it is refused, never deleted)
   format=native   native: the files below, for inference.generate and inference.evaluate; hf: a Hugging Face
-                  transformers model (inference/hf/export.py), loaded with
+                  transformers model (inference/hf/write_export.py), loaded with
                   AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
   max_shard_size=5GB  format=hf: the largest safetensors file (bytes, or a number with KB, MB or GB); larger
                   weights are split into shards with an index
@@ -48,7 +48,7 @@ from model.params import config_counts
 from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from trainer.files.safe_io import LinkedPathError, check_still, held_path, open_dir
 from trainer.data.format import sha256_file
-from inference.hf.export import write_hf_export
+from inference.hf.write_export import write_hf_export
 from trainer.trained import load_trained
 from trainer.weights import WeightsError, check_finite, is_hf_export
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.documents import refuse_with_cache
+from model.document_masking import refuse_with_cache
 from model.init import InitStds
 from model.layer import TransformerBlock
 from model.moe import MoE
@@ -56,7 +56,7 @@ class Decoder(nn.Module):
         per-sublayer output RMS and mean depth-attention weights; pass `cache` (new_inference_cache)
         to continue a sequence token by token or chunk by chunk; pass a DepthTrace to have it filled
         with the depth-mixing matrix M per token; `skip`: sublayers (1..L) that do not run (ReSkip);
-        `document_starts` (B, T) bool (model.documents.document_starts), training only: no token sees an
+        `document_starts` (B, T) bool (model.document_masking.document_starts), training only: no token sees an
         earlier document of its window. Under sequence parallelism it covers the whole sequence the token
         mixers see, not this rank's slice of `tokens`."""
         if skip and trace is not None:

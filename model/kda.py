@@ -3,7 +3,7 @@
 q, k, v pass through a depthwise causal short convolution and SiLU; q and k are L2-normalised per
 head. A gated delta rule with a per-channel decay mixes tokens (kernels/kda), and the result is
 RMS-normalised per head and gated by a sigmoid before the output projection. Parameter names follow
-flash-linear-attention's KDA layer so checkpoints map one to one. With document_starts (model/documents.py)
+flash-linear-attention's KDA layer so checkpoints map one to one. With document_starts (model/document_masking.py)
 the convolution and the recurrent state restart at every document start. With a `sequence_split`
 (model/sequence_split.py) x is one slice of the sequence: the convolution continues from the previous
 slice's last inputs and the recurrence from the state the earlier slices leave.
@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels.kda import kda_chunk, kda_chunk_from_unknown_start, kda_recurrent
 from model.config import ModelConfig
-from model.documents import check_document_starts, same_document_window
+from model.document_masking import check_document_starts, same_document_window
 from model.init import InitStds
 from model.norms import RMSNorm
 from model.sequence_split import SequenceSplit

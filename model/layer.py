@@ -36,7 +36,7 @@ class TransformerBlock(nn.Module):
     def forward(self, state: DepthState, mixer: ResidualMixer, cache=None,
                 document_starts: torch.Tensor | None = None) -> DepthState:
         """`cache` (from new_cache) continues a sequence: the token mixer reads and extends it.
-        `document_starts` (model/documents.py): the token mixer keeps each token inside its document."""
+        `document_starts` (model/document_masking.py): the token mixer keeps each token inside its document."""
         if state.next_sublayer != self.attn_sublayer:
             raise RuntimeError(f"block {self.index} expects sublayer {self.attn_sublayer}, "
                                f"the depth state is at {state.next_sublayer}")

@@ -1,6 +1,6 @@
 """Multi-head latent attention as in Kimi Linear: NoPE (nothing is rotated), no query compression,
 and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. With
-document_starts (model/documents.py) the causal mask is block-diagonal: a query sees its own document. With a
+document_starts (model/document_masking.py) the causal mask is block-diagonal: a query sees its own document. With a
 `sequence_split` (model/sequence_split.py) x is one slice of the sequence: queries are scored in pieces that
 balance the causal work across the slices' processes, over keys recomputed from every slice's kv latent."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes  # private: pinned torch (setup.py)
 
 from model.config import ModelConfig
-from model.documents import check_document_starts, same_document_causal_mask
+from model.document_masking import check_document_starts, same_document_causal_mask
 from model.init import InitStds
 from model.norms import RMSNorm
 from model.sequence_split import SequenceSplit

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from model.decoder import Decoder
-from model.documents import document_starts
+from model.document_masking import document_starts
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compat import DDP_NO_FORWARD_BUFFER_SYNC
 from parallel.dims import DistInfo, Layout
@@ -235,7 +235,7 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     initialises only what this rank keeps, from `seed` (model.init.materialise); parts already
     materialised keep their values. `precision` (parallel.dims.resolve_precision) sets FSDP2's gathered
     parameter dtype and the pipeline's message dtype; the forward's autocast is the caller's.
-    `document_boundary`: the end-of-text token id to mask documents at (model/documents.py), or None.
+    `document_boundary`: the end-of-text token id to mask documents at (model/document_masking.py), or None.
     `float8`: the token mixers' and MLPs' Linear layers run float8 matmuls (parallel/float8.py), emulated off CUDA."""
     if float8:  # first: checkpointing, tp and FSDP then wrap the float8 modules
         convert_to_float8(model, tp=layout.tp, emulate=info.device.type != "cuda")

@@ -18,10 +18,10 @@ from pathlib import Path
 from scripts.cli import key, parse
 from scripts.corpus_sources import write_sources
 from trainer.data import DataError, PrepareOptions, default_cache_dir, prepare_text_corpus
-from trainer.data.documents import iter_documents
 from trainer.data.format import TOKENIZER_NAME, read_manifest
 from trainer.data.prepare import DEFAULT_VOCAB_SIZE, train_tokenizer
 from trainer.data.progress import log
+from trainer.data.text_inputs import iter_documents
 from trainer.files.safe_io import write_file
 
 # Prose and verse carry most of the weight; code and dictionary entries are a minority, and no source is

@@ -96,7 +96,7 @@ class DataConfig:
     cache_dir: str | None = None      # prepared datasets and megatron-core's sample indices (indices/); null:
                                       # $ATTNRES_DATA_CACHE or ~/.cache/attnres/data
     tokenizer: str | None = None      # a tokenizers tokenizer.json to use instead of training a BPE
-    document_masking: bool = False    # no token sees an earlier document of its window (model/documents.py)
+    document_masking: bool = False    # no token sees an earlier document of its window (model/document_masking.py)
     prepare_workers: int = 1          # processes tokenising input files at once
     bad_inputs: str = "stop"          # an unreadable input file: stop the preparation, or skip it
 
@@ -458,7 +458,7 @@ def _resolve_eval_tasks(names: list[str]) -> None:
     except ImportError as error:
         raise ConfigError(f"train.eval_tasks needs lm-evaluation-harness ({error}); install the eval extra: "
                           "pip install -e '.[eval]'") from None
-    from trainer.lm_eval_model import LMEvalError
+    from trainer.lm_eval_adapter import LMEvalError
 
     try:
         task_manager_for(names, LOCAL_TASKS, key="train.eval_tasks")

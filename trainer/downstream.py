@@ -19,7 +19,7 @@ from parallel.dims import Layout, barrier
 from parallel.gather import whole_state_dict
 from trainer.config import Config, ConfigError
 from trainer.data.format import tokenizer_vocab_size
-from trainer.lm_eval_model import AttnResLM
+from trainer.lm_eval_adapter import AttnResLM
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
 
 

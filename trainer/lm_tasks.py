@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lm_eval
 
-from trainer.lm_eval_model import AttnResLM, LMEvalError
+from trainer.lm_eval_adapter import AttnResLM, LMEvalError
 
 LOCAL_TASKS = Path(__file__).resolve().parents[1] / "configs" / "eval" / "tasks"
 

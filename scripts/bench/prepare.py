@@ -16,8 +16,8 @@ from pathlib import Path
 
 from scripts.cli import fail, key, parse
 from trainer.data import PrepareOptions, prepare_text_corpus
-from trainer.data.documents import list_text_inputs
 from trainer.data.format import read_manifest
+from trainer.data.text_inputs import list_text_inputs
 
 
 @dataclass

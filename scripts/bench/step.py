@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.documents import document_starts
+from model.document_masking import document_starts
 from parallel.compile import apply_compile
 from scripts.bench.common import bench_model, interleaved, set_threads
 from scripts.cli import fail, key, parse

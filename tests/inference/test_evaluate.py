@@ -1,4 +1,4 @@
-"""`python -m inference.evaluate` and its lm_eval adapter (trainer/ and inference/lm_eval_model.py): batched scoring equals
+"""`python -m inference.evaluate` and its lm_eval adapter (trainer/ and inference/exported_lm.py): batched scoring equals
 scoring one request at a time, rolling windows cover a long text exactly, generation is generate's greedy
 text cut at a stop string, the CLI writes local-task and perplexity results; bad input gets one line."""
 import json
@@ -26,8 +26,8 @@ from trainer.data.format import read_manifest
 from inference.evaluate import main
 from inference.export import export
 from inference.generate import GenerateError
-from inference.lm_eval_model import ExportedAttnResLM
-from trainer.lm_eval_model import AttnResLM, LMEvalError
+from inference.exported_lm import ExportedAttnResLM
+from trainer.lm_eval_adapter import AttnResLM, LMEvalError
 from trainer.lm_tasks import task_manager_for
 from trainer.trainer import Trainer
 
@@ -151,7 +151,7 @@ def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
 def test_registering_attnres_leaves_lm_evals_own_models():
     # lm_eval registers its own models only when its registry is empty at the first lookup: in a fresh process
     # (this one has imported them already), importing the adapter first must not hide them.
-    check = "import inference.lm_eval_model; from lm_eval.api.registry import model_registry; assert 'hf' in model_registry"
+    check = "import inference.exported_lm; from lm_eval.api.registry import model_registry; assert 'hf' in model_registry"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, timeout=120,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

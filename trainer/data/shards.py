@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from trainer.data.documents import Piece, iter_documents
 from trainer.data.format import EOT_TOKEN
 from trainer.data.mcore import megatron_datasets
 from trainer.data.progress import Progress, log
+from trainer.data.text_inputs import Piece, iter_documents
 from trainer.files.safe_io import write_file
 
 # In a build directory, the file each live worker process holds a shared flock on (wait_for_writers).

@@ -1,4 +1,4 @@
-"""The document readers of trainer/data/documents.py: formats, globs and directories, the error policy."""
+"""The document readers of trainer/data/text_inputs.py: formats, globs and directories, the error policy."""
 from __future__ import annotations
 
 import base64
@@ -14,8 +14,8 @@ import pyarrow.parquet
 import pytest
 import zstandard
 
-from trainer.data import PrepareOptions, documents, prepare_text_corpus
-from trainer.data.documents import (
+from trainer.data import PrepareOptions, prepare_text_corpus, text_inputs
+from trainer.data.text_inputs import (
     TEXT_SUFFIXES,
     DataError,
     is_text_input,
@@ -71,7 +71,7 @@ def document_texts(pieces):
 
 def test_the_accepted_suffixes_are_the_readers_and_multi_part_names_match():
     assert TEXT_SUFFIXES == (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-    assert set(documents.READERS) == set(TEXT_SUFFIXES)
+    assert set(text_inputs.READERS) == set(TEXT_SUFFIXES)
     assert all(map(is_text_input, ["a.jsonl.gz", "dir/shard.v2.jsonl.zst", "a.txt", "b.parquet"]))
     assert not any(map(is_text_input, ["a.gz", "a.txt.gz", "a.zst", "a.jsonl.bz2", ".jsonl", "a.csv"]))
 
@@ -93,7 +93,7 @@ def test_a_txt_file_is_one_document_and_its_pieces_sum_to_its_size(tmp_path):
 
 
 def test_parquet_is_read_in_batches_and_sizes_share_the_file_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(documents, "PARQUET_BATCH_ROWS", 7)
+    monkeypatch.setattr(text_inputs, "PARQUET_BATCH_ROWS", 7)
     texts = [f"document {i}" if i % 5 else "" for i in range(100)]
     path = write_parquet(tmp_path / "many.parquet", texts, row_group_size=30)
     pieces = list(iter_documents([path]))
@@ -114,7 +114,7 @@ def test_a_corpus_of_mixed_files_counts_every_input_byte(tmp_path):
 def test_a_file_of_blank_lines_still_accounts_for_its_bytes(tmp_path):
     path = tmp_path / "blank.jsonl"
     path.write_text('\n\n{"text": ""}\n')
-    assert list(iter_documents([path])) == [documents.Piece("", path.stat().st_size, False)]
+    assert list(iter_documents([path])) == [text_inputs.Piece("", path.stat().st_size, False)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,8 +151,8 @@ def test_directories_expand_recursively_and_sorted(tree):
 def test_a_file_named_twice_is_kept_once_where_it_came_first(tree, monkeypatch):
     monkeypatch.chdir(tree)
     found = list_text_inputs(["sub/z.txt", tree / "shard_01.jsonl.gz", "shard_*.jsonl.gz", "./sub/../sub/z.txt", tree])
-    assert found == [documents.Path("sub/z.txt"), tree / "shard_01.jsonl.gz", documents.Path("shard_00.jsonl.gz"),
-                     documents.Path("shard_02.jsonl.gz"), tree / "sub" / "extra.parquet"]
+    assert found == [text_inputs.Path("sub/z.txt"), tree / "shard_01.jsonl.gz", text_inputs.Path("shard_00.jsonl.gz"),
+                     text_inputs.Path("shard_02.jsonl.gz"), tree / "sub" / "extra.parquet"]
 
 
 def test_a_pattern_matching_nothing_is_refused_naming_it(tree):
@@ -356,8 +356,8 @@ class FailingAfter:
 
 
 def test_a_txt_document_cut_short_by_a_read_error_is_ended_and_skipped(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(documents, "TEXT_PIECE_BYTES", 50)
-    monkeypatch.setattr(documents, "open", lambda path, mode: FailingAfter(path, reads=2) if path.suffix == ".txt"
+    monkeypatch.setattr(text_inputs, "TEXT_PIECE_BYTES", 50)
+    monkeypatch.setattr(text_inputs, "open", lambda path, mode: FailingAfter(path, reads=2) if path.suffix == ".txt"
                         else io.open(path, mode), raising=False)
     cut = tmp_path / "cut.txt"
     cut.write_text("word " * 3000)
@@ -404,7 +404,7 @@ def test_a_large_jsonl_zst_yields_its_first_document_after_reading_a_little_of_i
             read.append(len(data))
             return data
 
-    monkeypatch.setattr(documents, "open", lambda p, mode: io.BufferedReader(CountingFile(p, mode)), raising=False)
+    monkeypatch.setattr(text_inputs, "open", lambda p, mode: io.BufferedReader(CountingFile(p, mode)), raising=False)
     pieces = iter_documents([path])
     first = next(pieces)
     assert len(first.text) == 4000 and sum(read) < size / 10

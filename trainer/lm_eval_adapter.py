@@ -1,5 +1,5 @@
 """Our model inside lm-evaluation-harness: `AttnResLM`, over a model in memory (`AttnResLM(model, tokenizer,
-seq_len)`: the trainer's live model for train.eval_tasks). inference/lm_eval_model.py builds it from an export
+seq_len)`: the trainer's live model for train.eval_tasks). inference/exported_lm.py builds it from an export
 directory and registers it as lm_eval's model "attnres"; `python -m inference.evaluate` is the command line.
 
 Scoring is exact under batching: the model is causal, and nothing in it (depth attention, MoE routing, norms,
@@ -15,7 +15,7 @@ import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 # Importing lm_eval.models (for its utils) registers lm_eval's own models, which it does by itself only while its
-# registry is empty: after inference.lm_eval_model registers "attnres", "hf" and the rest would be unknown otherwise.
+# registry is empty: after inference.exported_lm registers "attnres", "hf" and the rest would be unknown otherwise.
 from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 

@@ -3,7 +3,7 @@
 `ExportedAttnResLM.from_export(EXPORT_DIR)`, or, once this module is imported, lm_eval's
 `simple_evaluate(model="attnres", model_args="pretrained=EXPORT_DIR,batch_size=8")`, loads the export as
 inference.generate does (safetensors and JSON only, checked against its fingerprint and trained context) into
-trainer/lm_eval_model.py's AttnResLM, the adapter the trainer also runs on its live model.
+trainer/lm_eval_adapter.py's AttnResLM, the adapter the trainer also runs on its live model.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.registry import register_model
 
 from inference.generate import export_config, find_export, load_exported_model, load_tokenizer
-from trainer.lm_eval_model import AttnResLM
+from trainer.lm_eval_adapter import AttnResLM
 
 
 @register_model("attnres")
