@@ -34,7 +34,7 @@ Bytes per parameter (what the code does):
 Activations: elements saved for backward per token, per sublayer kind (`sublayer_elements`), in the
 activation dtype (`a`: bf16 under autocast, else fp32) or forced fp32 (`f`). The counts were
 taken from the code (which op keeps which output for backward) and checked op by op with
-scripts/bench_memory.py's storage tracker at model=m; the CPU column is the reference kernels (KDA's
+scripts/bench/memory.py's storage tracker at model=m; the CPU column is the reference kernels (KDA's
 torch chunk form, SDPA's math path with its T x T probabilities), the CUDA column fla's chunk_kda and
 flash attention.
 
@@ -199,7 +199,7 @@ def kda_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int = 1, seq_len: 
 def kda_context_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int, seq_len: int) -> Elements:
     """What KDA keeps on top of `kda_elements` on the last of cp ranks (kda_chunk_from_unknown_start): the
     chunk run sees values [v, 0] of width V + K (V = K = head_dim) from the start [0, I]. Assumed, from the
-    code (the CPU column checked with scripts/bench_memory.py's tracker, tests/scripts/test_plan_memory.py):
+    code (the CPU column checked with scripts/bench/memory.py's tracker, tests/scripts/test_plan_memory.py):
     - CPU reference chunk: its V-wide saved tensors, the value columns of the triangular system's right side
       and of its solution and the updates u (3HV), and the per-chunk states (HKV/C), grow to V + K; its
       (V+K)-wide fp32 output stays alive as the einsum's start-read operand H(V+K);
