@@ -21,16 +21,17 @@ share and writes no report: run the experiment once more without `shard` when ev
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from parallel.dims import init_distributed, shutdown
+from scripts.cli import key, parse
 from scripts.depth_matrix import DepthMatrixArgs, depth_matrix
 from scripts.experiments import Evaluation, Experiment, PlannedRun, load_experiment
 from scripts.report import build_report
@@ -41,6 +42,19 @@ from trainer.run_dir.finished import FINISHED_FILE, finished_step
 from trainer.config import ConfigError, load_config
 from inference.export import export
 from trainer.trainer import KNOWN_ERRORS, Trainer
+
+
+@dataclass
+class Args:
+    experiment: str = key("quick", "configs/experiment/ name, or an experiment YAML's path")
+    seeds: list[int] | None = key(None, "each run trains once per seed (null: the experiment's seeds:)")
+    runs_dir: str | None = key(None, "where the runs train (null: runs/<experiment>)")
+    report_dir: str | None = key(None, "where the report goes (null: reports/<experiment>)")
+    shard: str | None = key(None, "K/N: train worker K of N's share of the runs and write no report")
+    report_only: bool = key(False, "write the report of the runs that have started; train nothing")
+    # main reads the runs= items itself (the key may repeat); declared here for --help
+    runs: list[str] = key([], "report only these runs: [DIR,...] or a glob such as runs/quick/*; may repeat "
+                              "(reported in order)")
 
 
 def progress(line: str) -> None:
@@ -208,33 +222,22 @@ def run_dirs_of(items: list[str]) -> list[str]:
     return found
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("overrides", nargs="*", help="experiment=NAME, seeds=[...], runs_dir=, report_dir=, shard=K/N, "
-                                                     "report_only=true, runs=[DIRS] or runs=PATTERN (report only), "
-                                                     "and trainer overrides for every run")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    pairs = [item.split("=", 1) for item in args.overrides if "=" in item]
-    options = dict(pairs)
-    name = options.get("experiment", "quick")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # runs= may repeat, and each item is a list or a glob as typed (runs/[ab]*-s0), so the items are read here
+    runs = [arg.partition("=")[2] for arg in argv if arg.startswith("runs=")]
+    args, overrides = parse(Args, __doc__, [arg for arg in argv if not arg.startswith("runs=")], trainer_overrides=True)
     started = time.perf_counter()
     try:
-        report_only = options.get("report_only", "false").lower()
-        if report_only not in ("true", "false"):
-            raise ConfigError(f"report_only={options['report_only']} must be true or false")
-        if "runs" in options:
-            run_dirs = run_dirs_of([value for key, value in pairs if key == "runs"])
-            report = build_report(run_dirs, options.get("report_dir") or f"reports/{name}",
+        if runs:
+            run_dirs = run_dirs_of(runs)
+            report = build_report(run_dirs, args.report_dir or f"reports/{args.experiment}",
                                   f"Comparison report: {len(run_dirs)} runs")
         else:
-            rest = [item for item in args.overrides if item.split("=", 1)[0] != "experiment"]
-            experiment = load_experiment(name, rest, resolve=report_only == "false")
-            if report_only == "false":
+            tool = [f"{name}={getattr(args, name)}" for name in ("seeds", "runs_dir", "report_dir", "shard")
+                    if getattr(args, name) is not None]
+            experiment = load_experiment(args.experiment, [*tool, *overrides], resolve=not args.report_only)
+            if not args.report_only:
                 share = f", this worker's share (shard {experiment.shard[0]}/{experiment.shard[1]}): " \
                         f"{len(experiment.my_runs())}" if experiment.shard and experiment.runs else ""
                 tuning = f" after a tuning stage of {len(experiment.tuning.runs)}" \

@@ -33,7 +33,7 @@ from scripts.report.tuning import TUNABLE
 from trainer.config import CONFIG_DIR, ConfigError
 
 EXPERIMENT_DIR = CONFIG_DIR / "experiment"
-TOOL_KEYS = ("seeds", "runs_dir", "report_dir", "shard", "report_only")  # command-line keys for the tool; the rest go to the trainer
+TOOL_KEYS = ("seeds", "runs_dir", "report_dir", "shard")  # the experiment's own keys; the rest go to the trainer
 
 
 @dataclass

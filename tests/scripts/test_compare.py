@@ -52,6 +52,17 @@ def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_datas
     assert f"1 runs: `{run_dir}`." in (tmp_path / "only" / "report.md").read_text()
 
 
+def test_runs_items_are_reported_in_their_order(tmp_path, monkeypatch):
+    """runs= may repeat, each item a list or a glob (its matches sorted), a glob's brackets as typed."""
+    for name in ("b-s0", "a-s1", "a-s0"):
+        (tmp_path / name).mkdir()
+    reported = []
+    monkeypatch.setattr(compare, "build_report", lambda run_dirs, out, title: reported.append((run_dirs, out)) or out)
+    compare.main([f"runs=[{tmp_path / 'b-s0'}]", f"runs={tmp_path}/[a]-s*", f"report_dir={tmp_path / 'report'}"])
+    assert reported == [([str(tmp_path / "b-s0"), str(tmp_path / "a-s0"), str(tmp_path / "a-s1")],
+                         str(tmp_path / "report"))]
+
+
 def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_wiped(tmp_path, tiny_dataset,
                                                                                      monkeypatch, capsys):
     """Deleting a finished run's checkpoints frees disk; without finished.json the next launch would train
@@ -168,6 +179,7 @@ def test_bad_shard_is_one_clear_line(shard, capsys):
     assert f"shard={shard} must be K/N with 0 <= K < N (worker K of N), e.g. shard=0/2" in capsys.readouterr().err
 
 
+@pytest.mark.lm_eval
 def test_eval_tasks_give_the_report_a_downstream_table(tmp_path, tiny_dataset):
     shared = [o for o in fast_train_overrides(tmp_path, tiny_dataset, steps=2) if not o.startswith("run.dir=")]
     experiment = tmp_path / "tiny.yaml"
@@ -285,5 +297,6 @@ def test_report_only_names_the_planned_runs_not_started(tmp_path, tiny_dataset, 
             f"`{run_dir.parent / 'xs-baseline-s1'}`.") in report
     assert not (run_dir.parent / "xs-baseline-s1").exists()
     with pytest.raises(SystemExit):
-        compare.main([*tool, "report_only=yes"])
-    assert capsys.readouterr().err.splitlines()[-1] == "[compare] error: report_only=yes must be true or false"
+        compare.main([*tool, "report_only=maybe"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: report_only: Value 'maybe' is not a valid bool (type str)")

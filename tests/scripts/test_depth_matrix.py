@@ -47,7 +47,7 @@ def test_baseline_has_rank_one_and_full_a_higher_rank(trained_runs, capsys):
 def test_the_comparison_report_shows_every_variants_matrix(trained_runs, tmp_path):
     for run_dir in trained_runs.values():
         main([f"checkpoint={run_dir}", "batches=1", f"out={run_dir / 'depth_matrix'}"])
-    compare.main(["--report-only", *map(str, trained_runs.values()), "--out", str(tmp_path / "report")])
+    compare.main([f"runs=[{','.join(map(str, trained_runs.values()))}]", f"report_dir={tmp_path / 'report'}"])
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Depth-mixing matrix M" in report and (tmp_path / "report" / "depth_matrix.png").is_file()
     assert "| xs | baseline | 1 | 1.00 | 1 |" in report
