@@ -120,8 +120,8 @@ def export_config(export_dir: Path, variant: str | None) -> Config:
         raise GenerateError(f"{export_dir / CONFIG_FILE} is not a config of this trainer ({error}); "
                             "re-export with this version") from None
     check_fingerprint(described, cfg, export_dir / CONFIG_FILE)
-    if variant is not None and variant != cfg.model.residual.variant:
-        raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.variant} "
+    if variant is not None and variant != cfg.model.residual.kind:
+        raise GenerateError(f"variant={variant} but export {export_dir} holds a variant={cfg.model.residual.kind} "
                             "model; drop variant= or pick an export of that variant")
     check_trained_context(export_dir, cfg.train.seq_len)
     check_export_size(export_dir, cfg.model)

@@ -39,7 +39,7 @@ STREAM_VARIANTS = ("mhc", "hc")  # m parallel residual streams: a pipeline cut c
 @dataclass
 class ResidualConfig:
     """One residual mixer; the paper's ablations are options of it, never new classes."""
-    variant: str = "block"          # one of VARIANTS
+    kind: str = "block"             # the residual mixer, one of VARIANTS
     block_size: int | None = None   # sublayers per block (attention and MLP count 1 each); None: ~8 blocks
     query: str = "learned"          # learned | input_dependent
     kernel: str = "softmax"         # softmax | sigmoid

@@ -30,14 +30,14 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 def depth_read_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of all residual reads and writes."""
     r, d = cfg.residual, cfg.d_model
-    if r.variant in ("mhc", "hc"):
+    if r.kind in ("mhc", "hc"):
         m = r.streams
         return cfg.n_sublayers * (4 * m + 2 * m * m) * d
-    if r.variant == "baseline":
+    if r.kind == "baseline":
         return 0.0
-    if r.variant == "x0":  # lambda h + mu v_0 at every read, the final one included
+    if r.kind == "x0":  # lambda h + mu v_0 at every read, the final one included
         return (cfg.n_sublayers + 1) * 3 * d
-    if r.variant == "highway":  # the gate's projection (d -> 1 or d), then (1 - g) h + g v
+    if r.kind == "highway":  # the gate's projection (d -> 1 or d), then (1 - g) h + g v
         width = d if r.gate == "elementwise" else 1
         return cfg.n_sublayers * (2 * d * width + 3 * d)
     geometry = DepthGeometry.of(cfg)

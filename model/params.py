@@ -60,14 +60,14 @@ def _mla(cfg: ModelConfig) -> int:
 def _reads(cfg: ModelConfig) -> int:
     """The residual mixer's parameters: every sublayer's read and the final one (model/residual/)."""
     d, r, L = cfg.d_model, cfg.residual, cfg.n_sublayers
-    if r.variant == "baseline":
+    if r.kind == "baseline":
         return 0
-    if r.variant == "highway":
+    if r.kind == "highway":
         width = d if r.gate == "elementwise" else 1
         return L * (d * width + width)                     # one gated Linear per sublayer, none at the end
-    if r.variant == "x0":
+    if r.kind == "x0":
         return (L + 1) * 2                                 # (lambda, mu) per read, the final one included
-    if r.variant in ("mhc", "hc"):
+    if r.kind in ("mhc", "hc"):
         m = r.streams
         return L * (2 * m + m * m + d * (2 * m + m * m) + 3)  # the final read is the parameter-free mean
     geometry = DepthGeometry.of(cfg)

@@ -117,10 +117,10 @@ def depth_matrix(args: DepthMatrixArgs) -> str:
     out = Path(args.out) if args.out else run.checkpoint.parent.parent / "depth_matrix"
     summary = summarise(token_matrices(run.model, run.validation_batches(args.batches)), args.rtol)
     r = run.cfg.model.residual
-    summary.update(checkpoint=str(run.checkpoint), step=run.step, variant=r.variant)
+    summary.update(checkpoint=str(run.checkpoint), step=run.step, variant=r.kind)
     out.mkdir(parents=True, exist_ok=True)
     (out / "depth_matrix.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(summary, f"{r.variant} step {run.step}", out / "depth_matrix.png")
+    plot(summary, f"{r.kind} step {run.step}", out / "depth_matrix.png")
     rank = summary["semiseparable_rank"]
     return (f"{run.checkpoint}: {summary['samples']} token matrices; semiseparable rank mean {rank['mean']:.2f}, "
             f"max {rank['max']} (rtol {args.rtol}); wrote {out}/depth_matrix.json and .png")

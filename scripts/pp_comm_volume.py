@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config([f"model={args.model}", *overrides]).model
     if args.pp is None or args.pp < 1 or args.vp < 1:
         fail(f"pp={args.pp} and vp={args.vp} must be positive integers, pp= is required: e.g. pp=4 vp=2")
-    print(f"model={args.model} variant={cfg.residual.variant} blocks={cfg.n_blocks} block_size={DepthGeometry.of(cfg).size} "
+    print(f"model={args.model} variant={cfg.residual.kind} blocks={cfg.n_blocks} block_size={DepthGeometry.of(cfg).size} "
           f"P={args.pp} V={args.vp} d={cfg.d_model}")
     for cache in (False, True):
         plan = PipelinePlan(cfg, args.pp, args.vp, cache)

@@ -147,7 +147,7 @@ def run_reskip(args: ReSkipArgs) -> dict:
             rows = [measure(run.model, batches, frozenset(order[:k]), args) for order in permutations]
             results[name].append({"k": k, **_mean_rows(rows),
                                   "skipped": [sorted(order[:k]) for order in permutations]})
-    return {"checkpoint": str(run.checkpoint), "step": run.step, "variant": run.cfg.model.residual.variant,
+    return {"checkpoint": str(run.checkpoint), "step": run.step, "variant": run.cfg.model.residual.kind,
             "block_size": run.cfg.model.residual.block_size, "n_sublayers": n_sublayers, "batches": args.batches,
             "importance": {str(i): s for i, s in enumerate(scores, 1)},
             "orders": {name: perms for name, perms in orders.items()}, "results": results,

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     print(f"config ok: model d={cfg.model.d_model} x {cfg.model.n_blocks} blocks, "
-          f"variant={cfg.model.residual.variant}, data {samples.blend.describe()} "
+          f"variant={cfg.model.residual.kind}, data {samples.blend.describe()} "
           f"({samples.pass_samples} training samples a pass, {samples.val_samples} validation)", file=sys.stderr)
 
 

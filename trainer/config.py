@@ -6,6 +6,7 @@ and what is allowed, raised before any work starts.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -184,7 +185,7 @@ def register_schemas() -> None:
 
 
 CHOICES = {
-    "variant.variant": VARIANTS,
+    "variant.kind": VARIANTS,
     "variant.gate": ("scalar", "elementwise"),
     "variant.query": ("learned", "input_dependent"),
     "variant.kernel": ("softmax", "sigmoid"),
@@ -317,14 +318,47 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+# Keys and values renamed after runs had saved them (a checkpoint's meta.json, an export's config.json, a run
+# directory's config.yaml): read back, a saved config takes their current names. On a command line or in a
+# config file the old ones are refused like any unknown key or value.
+RENAMED_KEYS = {"model.residual.variant": "model.residual.kind"}
+RENAMED_VALUES = {"model.kernel_impl": {"reference": "torch"}}
+
+
+def _holder(tree: object, dotted: str) -> tuple[dict | None, str]:
+    """The mapping that holds `dotted`'s last part in nested mappings (None where a part is missing), and
+    that part."""
+    *path, name = dotted.split(".")
+    for part in path:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return (tree if isinstance(tree, dict) else None), name
+
+
+def with_current_names(saved: object) -> object:
+    """A saved config (nested mappings) with the keys and values renamed since it was saved under their
+    current names (RENAMED_KEYS, RENAMED_VALUES); a copy, anything else as it is."""
+    saved = copy.deepcopy(saved)
+    for old, new in RENAMED_KEYS.items():
+        holder, name = _holder(saved, old)
+        if holder is not None and name in holder:
+            holder.setdefault(new.rsplit(".", 1)[1], holder.pop(name))
+    for key, renamed in RENAMED_VALUES.items():
+        holder, name = _holder(saved, key)
+        if holder is not None and isinstance(holder.get(name), str):
+            holder[name] = renamed.get(holder[name], holder[name])
+    return saved
+
+
 def config_from_saved(saved: object) -> Config:
     """A config a run wrote (a checkpoint's meta.json, an export's config.json: dataclasses.asdict form),
-    typed and value-checked like a command line's; ConfigError names the first bad key. The machine checks
-    of `validate` are left out: a run trained with Triton on a GPU is still read on a CPU."""
+    typed and value-checked like a command line's, under the current names (with_current_names); ConfigError
+    names the first bad key. The machine checks of `validate` are left out: a run trained with Triton on a GPU
+    is still read on a CPU."""
     if not isinstance(saved, dict):
         raise ConfigError(f"the config is a {type(saved).__name__}, not a mapping of settings")
     try:
-        return check_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved)))
+        return check_values(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config),
+                                                                with_current_names(saved))))
     except OmegaConfBaseException as error:
         raise ConfigError(_one_line(error)) from None
 
@@ -367,7 +401,7 @@ def check_values(cfg: Config) -> Config:
         raise ConfigError(f"variant.block_size={r.block_size} must be a positive number of sublayers or null")
     if r.window is not None and r.window < 1:
         raise ConfigError(f"variant.window={r.window} must be a positive number of sources or null")
-    if r.variant == "block" and r.two_phase and (r.query != "learned" or r.mixing != "attention" or r.window):
+    if r.kind == "block" and r.two_phase and (r.query != "learned" or r.mixing != "attention" or r.window):
         raise ConfigError(
             "variant.two_phase=true needs query=learned, mixing=attention and window=null "
             f"(got query={r.query}, mixing={r.mixing}, window={r.window}); set variant.two_phase=false")
@@ -393,7 +427,7 @@ def check_values(cfg: Config) -> Config:
     if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise ConfigError(f"parallel.schedule={p.schedule} runs one stage per rank; parallel.vp={p.vp} needs "
                           "interleaved_1f1b")
-    if p.schedule == "zero_bubble" and p.pp_cache and r.variant != "baseline":
+    if p.schedule == "zero_bubble" and p.pp_cache and r.kind != "baseline":
         raise ConfigError("parallel.schedule=zero_bubble splits the input-gradient pass, which never fills the "
                           "cached block gradients (wrong weight gradients); use interleaved_1f1b or parallel.pp_cache=false")
     if p.pp > 1 and r.window is not None and p.pp_cache:

@@ -219,7 +219,7 @@ class Trainer:
         n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in self.model.parameters())
         resumed = f", resumed from {self.resumed.path}" if self.resumed else ""
         log.print(f"run {self.run_dir}: model={cfg.model.d_model}d x {cfg.model.n_blocks} blocks "
-                  f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.variant}, "
+                  f"({n_params / 1e6:.1f}M params on this rank), variant={cfg.model.residual.kind}, "
                   f"world={info.world_size} ({info.backend or 'single process'}, {info.device}, "
                   f"{'bf16' if self.precision == torch.bfloat16 else 'fp32'}; "
                   f"data ranks={self.layout.data_ranks} (fsdp={self.layout.fsdp}) cp={self.layout.cp} pp={self.layout.pp} tp={self.layout.tp} "

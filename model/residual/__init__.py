@@ -12,15 +12,15 @@ from model.residual.trace import DepthTrace
 
 def build_mixer(cfg: ModelConfig) -> ResidualMixer:
     r = cfg.residual
-    if r.variant in ("baseline", "highway", "x0"):
+    if r.kind in ("baseline", "highway", "x0"):
         return RunningSumResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps,
-                                  gate=r.gate if r.variant == "highway" else None, embedding_skip=r.variant == "x0")
-    if r.variant in ("full", "block"):
+                                  gate=r.gate if r.kind == "highway" else None, embedding_skip=r.kind == "x0")
+    if r.kind in ("full", "block"):
         return AttnResidual(cfg.d_model, cfg.norm_eps, r, DepthGeometry.of(cfg), cfg.kernel_impl)
-    if r.variant in ("mhc", "hc"):
+    if r.kind in ("mhc", "hc"):
         return HyperConnectionResidual(cfg.d_model, cfg.n_sublayers, cfg.norm_eps, r.streams,
-                                       constrained=r.variant == "mhc")
-    raise ValueError(f"residual.variant={r.variant!r} is not one of {', '.join(VARIANTS)}")
+                                       constrained=r.kind == "mhc")
+    raise ValueError(f"residual.kind={r.kind!r} is not one of {', '.join(VARIANTS)}")
 
 
 __all__ = ["VARIANTS", "CarryLayout", "DepthGeometry", "DepthState", "DepthTrace", "ResidualMixer", "build_mixer"]

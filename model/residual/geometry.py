@@ -40,9 +40,9 @@ class DepthGeometry:
     @classmethod
     def of(cls, cfg: ModelConfig) -> DepthGeometry:
         r = cfg.residual
-        if r.variant == "full":
+        if r.kind == "full":
             size = 1
-        elif r.variant == "block":
+        elif r.kind == "block":
             size = r.block_size if r.block_size is not None else max(1, round(cfg.n_sublayers / 8))
         else:
             size = None

@@ -42,9 +42,9 @@ class PipelinePlan:
                              f"{cfg.n_blocks} transformer blocks; lower parallel.pp or parallel.vp")
         self.geometry = DepthGeometry.of(cfg)
         self.attnres = self.geometry.attends  # else one running sum crosses each cut
-        self.sends_embedding = cfg.residual.variant == "x0"  # x0's reads need v_0 beside the sum
+        self.sends_embedding = cfg.residual.kind == "x0"  # x0's reads need v_0 beside the sum
         # mHC and HC carry m streams (m, B, T, d) instead of one sum: m tensors cross each cut.
-        self.streams = cfg.residual.streams if cfg.residual.variant in STREAM_VARIANTS else 1
+        self.streams = cfg.residual.streams if cfg.residual.kind in STREAM_VARIANTS else 1
         base, extra = divmod(cfg.n_blocks, self.n_chunks)
         sizes = [base + int(c < extra) for c in range(self.n_chunks)]  # earlier chunks take the remainder
         starts = [sum(sizes[:c]) for c in range(self.n_chunks)]

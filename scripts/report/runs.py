@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from model.config import ModelConfig, ResidualConfig
 from model.flops import training_flops_per_token
 from model.residual import DepthGeometry
-from trainer.config import CONFIG_DIR, Config
+from trainer.config import CONFIG_DIR, Config, with_current_names
 from trainer.optim import lr_multiplier
 
 EVAL_FILE = "eval.json"
@@ -125,7 +125,8 @@ def read_run_config(path: Path) -> Config:
     """A run directory's config.yaml as a Config; a malformed one is an error naming the file (and line)."""
     file = path / "config.yaml"
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(file)))
+        saved = with_current_names(OmegaConf.to_container(OmegaConf.load(file)))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), saved))
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
@@ -182,12 +183,12 @@ def size_name(model: ModelConfig) -> str:
 def variant_label(model: ModelConfig, with_block_size: bool = True) -> str:
     """'baseline', 'full', 'block S=2', 'mhc m=4', 'denseformer', plus every option that differs from its default."""
     r, default = model.residual, ResidualConfig()
-    if r.variant == "full" and r.mixing == "scalars":
+    if r.kind == "full" and r.mixing == "scalars":
         return "denseformer"  # the preset (configs/variant/denseformer.yaml)
     block = f"block S={DepthGeometry.of(model).size}" if with_block_size else "block"
     label = {"block": block, "mhc": f"mhc m={r.streams}", "hc": f"hc m={r.streams}",
-             "highway": "highway" + (f" gate={r.gate}" if r.gate != default.gate else "")}.get(r.variant, r.variant)
-    if r.variant in ("full", "block"):
+             "highway": "highway" + (f" gate={r.gate}" if r.gate != default.gate else "")}.get(r.kind, r.kind)
+    if r.kind in ("full", "block"):
         label += "".join(f" {key}={getattr(r, key)}" for key in OPTIONS if getattr(r, key) != getattr(default, key))
     return label
 
@@ -348,7 +349,7 @@ class Group:
 
     @property
     def kind(self) -> str:
-        return self.runs[0].config.model.residual.variant
+        return self.runs[0].config.model.residual.kind
 
     @property
     def block_size(self) -> int:

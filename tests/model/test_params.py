@@ -30,13 +30,13 @@ def test_every_preset_counts_as_built(model, variant):
 
 
 RESIDUAL_OPTIONS = [
-    {"variant": "baseline"}, {"variant": "highway"}, {"variant": "highway", "gate": "elementwise"}, {"variant": "x0"},
-    {"variant": "mhc", "streams": 2}, {"variant": "hc", "streams": 3}, {"variant": "full"},
-    {"variant": "block", "block_size": 3}, {"variant": "full", "mixing": "static"},
-    {"variant": "full", "mixing": "scalars", "window": 2}, {"variant": "block", "mixing": "static", "block_size": 3,
+    {"kind": "baseline"}, {"kind": "highway"}, {"kind": "highway", "gate": "elementwise"}, {"kind": "x0"},
+    {"kind": "mhc", "streams": 2}, {"kind": "hc", "streams": 3}, {"kind": "full"},
+    {"kind": "block", "block_size": 3}, {"kind": "full", "mixing": "static"},
+    {"kind": "full", "mixing": "scalars", "window": 2}, {"kind": "block", "mixing": "static", "block_size": 3,
                                                             "window": 1},
-    {"variant": "block", "mixing": "scalars", "block_size": 100}, {"variant": "full", "heads": 2, "window": 5},
-    {"variant": "block", "query": "input_dependent", "key_norm": False},
+    {"kind": "block", "mixing": "scalars", "block_size": 100}, {"kind": "full", "heads": 2, "window": 5},
+    {"kind": "block", "query": "input_dependent", "key_norm": False},
 ]
 # (n_blocks, n_dense_layers, mla_every, n_shared_experts): MLA every block, none but the last, all dense, no MoE.
 SHAPES = [(1, 1, 4, 1), (5, 0, 2, 0), (7, 3, 3, 2), (4, 4, 1, 1), (6, 0, 10, 1)]
@@ -67,11 +67,11 @@ def test_sources_read_is_the_sum_of_every_reads_sources(size, window):
 
 def test_ten_million_blocks_count_in_a_millisecond():
     """What makes a forged n_blocks refusable before anything is built: the count does not loop over blocks."""
-    cfg = ModelConfig(n_blocks=10_000_000, residual=ResidualConfig(variant="full", mixing="scalars"))
+    cfg = ModelConfig(n_blocks=10_000_000, residual=ResidualConfig(kind="full", mixing="scalars"))
     start = time.perf_counter()
     counts = config_counts(cfg)
     assert time.perf_counter() - start < 1e-3
-    small = ModelConfig(n_blocks=8, residual=ResidualConfig(variant="full", mixing="scalars"))
+    small = ModelConfig(n_blocks=8, residual=ResidualConfig(kind="full", mixing="scalars"))
     assert counts.total > 1e6 * config_counts(small).total / 8  # Full's scalars grow as blocks squared
     assert counts.total == pytest.approx(config_counts(ModelConfig(n_blocks=10_000_000)).total
                                          + 2 * 10_000_000 ** 2, rel=0.01)

@@ -191,7 +191,7 @@ def with_controls(tiny_runs, tmp_path, scales: dict[str, float | tuple[float, fl
                                 loss_scale=jitter))
         for name, source, config in (("one-block", "block", {"model.residual.block_size": 8}),
                                      ("block", "block", {}),
-                                     ("x0", "baseline", {"model.residual.variant": "x0"})):
+                                     ("x0", "baseline", {"model.residual.kind": "x0"})):
             runs.append(edited_copy(tiny_runs[source], tmp_path / f"{name}-s{seed}", {"seed": seed, **config},
                                     loss_scale=jitter * seed_scale(scales[name], seed) * base
                                     / final_val_loss(tiny_runs[source])))

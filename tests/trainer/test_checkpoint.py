@@ -170,12 +170,12 @@ def test_missing_part_is_a_checkpoint_error_naming_it(tmp_path, cfg, trained, pa
 
 def test_fingerprint_mismatch_names_only_the_differing_keys():
     block = model_fingerprint(ModelConfig(d_model=256))
-    full = model_fingerprint(ModelConfig(d_model=256, residual=ResidualConfig(variant="full")))
+    full = model_fingerprint(ModelConfig(d_model=256, residual=ResidualConfig(kind="full")))
     check_compatible({"model_fingerprint": block}, block, "runs/a/checkpoints/step_00000100")
     with pytest.raises(CheckpointError) as error:
         check_compatible({"model_fingerprint": block}, full, "runs/a/checkpoints/step_00000100")
-    assert str(error.value) == ("checkpoint runs/a/checkpoints/step_00000100 was written by variant.variant=block; "
-                                "this run has variant.variant=full")
+    assert str(error.value) == ("checkpoint runs/a/checkpoints/step_00000100 was written by variant.kind=block; "
+                                "this run has variant.kind=full")
     with pytest.raises(CheckpointError, match="^checkpoint was written by model.d_model=256; this run has model.d_model=128$"):
         check_compatible({"model_fingerprint": block}, model_fingerprint(ModelConfig(d_model=128)))
 

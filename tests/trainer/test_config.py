@@ -30,7 +30,7 @@ def test_groups_are_the_documented_ones():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_model_and_variant_composes(model, variant):
     cfg = load_config([f"model={model}", f"variant={variant}"])
-    assert cfg.model.residual.variant == ("full" if variant == "denseformer" else variant)  # a preset of Full
+    assert cfg.model.residual.kind == ("full" if variant == "denseformer" else variant)  # a preset of Full
     if variant == "full":
         assert DepthGeometry.of(cfg.model).size == 1
     if variant == "block":  # the default block size gives about 8 depth blocks

@@ -12,6 +12,7 @@ import pytest
 from conftest import fast_train_overrides
 from json_mutations import mutated_documents
 from parallel.dims import init_distributed
+from scripts.report.runs import read_run_config
 from trainer.run_dir.checkpoint import (
     CheckpointError,
     _complete_checkpoints,
@@ -201,6 +202,38 @@ def test_a_config_larger_than_the_weights_is_refused_before_the_model_is_built(r
     assert time.perf_counter() - start < 2
     assert one_line(refused) == (f"checkpoint {path}: the config in its meta.json builds a model of {built}, the "
                                  "checkpoint holds 917,090")
+
+
+def saved_before_the_renames(meta):
+    """meta.json as the trainer wrote it before variant.variant became variant.kind and model.kernel_impl=reference
+    became torch (trainer/config.py's RENAMED_KEYS, RENAMED_VALUES)."""
+    model = meta["config"]["model"]
+    model["residual"]["variant"] = model["residual"].pop("kind")
+    model["kernel_impl"] = "reference"
+    meta["model_fingerprint"] = meta["model_fingerprint"].replace(" variant.kind=", " variant.variant=")
+
+
+def test_a_run_saved_before_the_renames_reads_and_resumes(run, finished_run, tiny_dataset):
+    """The run directories of runs in progress at the renames: their checkpoints' meta.json (config and model
+    fingerprint) and config.yaml (scripts.report's read) hold the old key and value, and the run resumes and
+    finishes as it would have."""
+    shutil.rmtree(checkpoint(run, STEPS))  # in progress: its newest checkpoint is step 5's
+    (run / FINISHED_FILE).unlink()
+    for meta in (run / "checkpoints").glob("step_*/meta.json"):
+        edit_json(meta, saved_before_the_renames)
+    config_yaml = run / "config.yaml"
+    text = config_yaml.read_text()
+    assert text.count("    kind: block\n") == 1 and text.count("  kernel_impl: auto\n") == 1
+    config_yaml.write_text(text.replace("    kind: block\n", "    variant: block\n")
+                           .replace("  kernel_impl: auto\n", "  kernel_impl: reference\n"))
+    saved = read_run_config(run).model
+    assert (saved.residual.kind, saved.kernel_impl) == ("block", "torch")
+    assert load_trained(checkpoint(run, 5)).cfg.model.residual.kind == "block"
+    trainer(run, tiny_dataset).fit()
+    assert finished_step(run) == STEPS
+    resumed, straight = ([json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()][-1]
+                         for path in (run, finished_run))
+    assert (resumed["step"], resumed["loss"], resumed["grad_norm"]) == (STEPS, straight["loss"], straight["grad_norm"])
 
 
 def rewrite_extra(path, change=None, text=None):

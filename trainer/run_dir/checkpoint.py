@@ -59,7 +59,7 @@ from model.config import ModelConfig
 from model.params import config_counts
 from parallel.failure import one_line
 from parallel.state_dict import from_global_state, to_global_state
-from trainer.config import ConfigError, config_from_saved
+from trainer.config import RENAMED_KEYS, ConfigError, config_from_saved
 from trainer.run_dir.safe_dcp import SafeFileSystemReader, WeightsOnlyLoadPlanner
 from trainer.files.safe_io import (LinkedPathError, check_still, held_dir, held_path, open_dir, remove_entry,
                                      write_file)
@@ -648,11 +648,19 @@ RESUMABLE_CHANGES = ("model.init", "model.init_std", "model.kernel_impl", "model
 
 def model_fingerprint(model_cfg: ModelConfig) -> str:
     """The ModelConfig fields that define the model, as `key=value`, space-separated, named as the
-    override that sets it (`model.d_model=256 ... variant.variant=block`), so a mismatch says what to change."""
+    override that sets it (`model.d_model=256 ... variant.kind=block`), so a mismatch says what to change."""
     flat = _flatten(dataclasses.asdict(model_cfg), "model.")
     flat = {key: value for key, value in flat.items() if key not in RESUMABLE_CHANGES}
-    # Residual options are set through the `variant` config group.
-    return " ".join(f"{key.replace('model.residual.', 'variant.', 1)}={value}" for key, value in flat.items())
+    return " ".join(f"{override_name(key)}={value}" for key, value in flat.items())
+
+
+def override_name(key: str) -> str:
+    """A config key as an override names it: residual options are set through the `variant` config group."""
+    return key.replace("model.residual.", "variant.", 1)
+
+
+# A fingerprint written before a key was renamed (trainer/config.py's RENAMED_KEYS) names it the old way.
+FINGERPRINT_RENAMES = {override_name(old): override_name(new) for old, new in RENAMED_KEYS.items()}
 
 
 def _parse_fingerprint(fingerprint: str) -> dict[str, str]:
@@ -664,7 +672,8 @@ def fingerprint_difference(written: str, fingerprint: str) -> tuple[str, str] | 
     for only the keys that differ (written, then fingerprint)."""
     if written == fingerprint:
         return None
-    theirs, ours = _parse_fingerprint(written), _parse_fingerprint(fingerprint)
+    theirs = {FINGERPRINT_RENAMES.get(key, key): value for key, value in _parse_fingerprint(written).items()}
+    ours = _parse_fingerprint(fingerprint)
     # A checkpoint written before an option existed (e.g. variant.streams) was built with its default.
     defaults = _parse_fingerprint(model_fingerprint(ModelConfig()))
     theirs = {**{key: defaults[key] for key in ours if key not in theirs and key in defaults}, **theirs}
