@@ -79,8 +79,8 @@ class Decoder(nn.Module):
         blocks = list(self.layers.values() if blocks is None else blocks)
         state.reads = self.depth_reads(blocks)
         for block in blocks:
-            block_cache = None if cache is None else cache[block.index]
-            state = block(state, self.mixer, block_cache, document_starts)
+            decoding_cache = None if cache is None else cache[block.index]
+            state = block(state, self.mixer, decoding_cache, document_starts)
         return state
 
     def read_out(self, state: DepthState) -> torch.Tensor:

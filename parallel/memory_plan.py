@@ -467,17 +467,17 @@ def search(cfg: ModelConfig, *, gpus: int, gpu_bytes: float, headroom: float, se
     left."""
     budget = gpu_bytes * (1 - headroom)
     fitting = []
-    cache: dict[tuple, list[ParamCount]] = {}
+    counted: dict[tuple, list[ParamCount]] = {}  # by the degrees that shape a rank's parameters
     sizes, tp_split = parameter_sizes(cfg), tp_split_weights(cfg)
     for layout in candidate_layouts(cfg, gpus, seq_len, micro_batch=micro_batch, global_batch=global_batch):
         microbatches = global_batch // (micro_batch * layout.data_ranks)
         key = (layout.pp, layout.vp, layout.tp, layout.ep)
-        if key not in cache:
+        if key not in counted:
             converted = float8_weights(cfg, layout.tp) if float8 else frozenset()
-            cache[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes, converted, tp_split)
+            counted[key] = count_rank_parameters(cfg, replace(layout, dp=1, fsdp=1), sizes, converted, tp_split)
         for mode in MODES:
             p = plan(cfg, layout, seq_len=seq_len, micro_batch=micro_batch, microbatches=microbatches, mode=mode,
-                     device=device, capacity=capacity, counts=cache[key], precision=precision)
+                     device=device, capacity=capacity, counts=counted[key], precision=precision)
             if p.total_bytes <= budget:
                 fitting.append(p)
     order = {"none": 0, "selective": 1, "full": 2}

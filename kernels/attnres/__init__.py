@@ -41,11 +41,11 @@ def fused(impl: str, kernel: str, activations: torch.Tensor) -> bool:
 
 
 def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None, kernel: str = "softmax",
-           impl: str = "auto", inv_rms_cache: list[torch.Tensor] | None = None):
+           impl: str = "auto", known_inv_rms: list[torch.Tensor] | None = None):
     """Inter-block read for the S queries of one block: (o, m, l, scores) as in `reference.phase1`.
 
     eps: the key-norm epsilon, None without key norm (queries already carry the key-norm gain).
-    inv_rms_cache: the blocks' inverse RMS known so far; the reference path extends it and reuses it
+    known_inv_rms: the blocks' inverse RMS known so far; the reference path extends it and reuses it
     across calls, the fused kernel computes the key norm itself.
     """
     if fused(impl, kernel, blocks[0]):
@@ -53,10 +53,10 @@ def phase1(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float | None,
         return kernels.phase1(blocks, queries, eps)
     inv_rms = None
     if eps is not None:
-        cache = [] if inv_rms_cache is None else inv_rms_cache
-        for block in blocks[len(cache):]:
-            cache.append(inverse_rms(block, queries.shape[1], eps))
-        inv_rms = cache[:len(blocks)]
+        known = [] if known_inv_rms is None else known_inv_rms
+        for block in blocks[len(known):]:
+            known.append(inverse_rms(block, queries.shape[1], eps))
+        inv_rms = known[:len(blocks)]
     read = phase1_stacked if _few_tokens(blocks[0]) else reference_phase1
     return read(blocks, queries, inv_rms, kernel)
 

@@ -115,7 +115,7 @@ class AttnResidual(ResidualMixer):
         reads = [state.reads[l] for l in members]
         queries = torch.stack([r.learned_query() for r in reads])  # (S, H, d/H)
         o, m, l, scores = phase1(state.blocks, queries, self._key_norm_eps(reads[0]), self.options.kernel,
-                                 impl=self.impl, inv_rms_cache=state.block_inv_rms)
+                                 impl=self.impl, known_inv_rms=state.block_inv_rms)
         for j, member in enumerate(members):
             state.phase1[member] = (o[j], m[j], l[j], scores[j])
 

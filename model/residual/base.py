@@ -28,7 +28,7 @@ class CarryLayout:
 
     @classmethod
     def of_message(cls, has_partial: bool, n_blocks: int) -> CarryLayout:
-        """A pipeline message: the partial sum (if any), then blocks; caches never cross a stage."""
+        """A pipeline message: the partial sum (if any), then blocks; memos never cross a stage."""
         return cls(n_blocks, 0, (), (has_partial,) + (True,) * n_blocks)
 
 
@@ -40,7 +40,7 @@ class DepthState:
     partial: sum of the current block's outputs so far (the baseline keeps its running sum here;
         mHC its m streams as one (m, B, T, d) tensor).
     next_sublayer: paper index of the sublayer that reads next (1-based).
-    block_inv_rms and phase1 are caches recomputable from the above: a pipeline stage drops them, a
+    block_inv_rms and phase1 are memos, recomputable from the above: a pipeline stage drops them, a
     checkpointed block carries them. The rest is context the receiver of a carry supplies.
     """
     blocks: list[torch.Tensor]
