@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train compare bench corpus clean compat gpu-bundle
+.PHONY: setup test test-fast train compare bench corpus clean compat gpu-bundle
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): setup.py
 
 test: setup
 	$(PY) -m pytest -q -n 2 --durations=25 tests
+
+# What to run while you work: every test that starts no torchrun launch, runs no lm_eval evaluation and
+# compiles nothing (pytest.ini's markers). `make test` runs them all.
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --durations=10 -m "not launch and not lm_eval and not compile" tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache
@@ -49,7 +54,7 @@ compare: setup
 	OMP_NUM_THREADS=$(COMPARE_THREADS) $(PY) -m scripts.compare experiment=$(EXPERIMENT) $(ARGS)
 
 bench: setup
-	$(PY) -m scripts.bench_step
+	$(PY) -m scripts.bench step
 
 # `make corpus`: the larger real corpus (Shakespeare, the Python standard library, Debian's King James Bible
 # and GCIDE dictionary; about 50 MB of text) prepared as a weighted blend with one BPE; it prints the

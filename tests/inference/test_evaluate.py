@@ -137,6 +137,7 @@ def test_max_length_beyond_the_trained_context_is_refused(lm):
         AttnResLM(lm.model, lm.tokenizer, SEQ_LEN, max_length=64)
 
 
+@pytest.mark.lm_eval
 def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -178,6 +179,7 @@ def val_loss_reference(model, dataset: Path) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 
 
+@pytest.mark.lm_eval
 def test_evaluate_writes_local_tasks_and_perplexity(export_dir, tiny_dataset, lm, tmp_path, capsys):
     out = tmp_path / "eval.json"
     main([f"model={export_dir}", "tasks=attnres_local", f"perplexity={tiny_dataset}", f"out={out}", "limit=4",
@@ -563,6 +565,7 @@ def plain_data_task(tmp_path, doc_to_text: str) -> Path:
     return tasks
 
 
+@pytest.mark.lm_eval
 def test_a_template_reaching_python_is_refused_unless_task_code_is_allowed(export_dir, tmp_path, capsys):
     """No YAML tag runs code here: lm_eval's plain jinja2 environment would, and the sandbox stops it. The
     allowed run after the refusal also shows the refusal left lm_eval's own environment in place."""

@@ -75,6 +75,7 @@ def one_block_export_dir(run_dir, tiny_dataset):
     return run.parent / "one_block_export"
 
 
+@pytest.mark.compile
 def test_compiled_decode_prints_the_eager_text(one_block_export_dir, capsys):
     main([f"model={one_block_export_dir}", "prompt=the king", "max_new_tokens=4"])
     eager = capsys.readouterr().out

@@ -72,6 +72,7 @@ def test_empty_prompt_is_refused():
         generate(make("baseline"), TOKENS[:, :0], max_new_tokens=2)
 
 
+@pytest.mark.compile
 def test_compiled_decode_generates_the_eager_tokens_with_a_bounded_number_of_compiles():
     """Two blocks (KDA, then MLA, whose cache grows every token) keep the compile short. One graph for
     the first step (the cache as prefill left it) and one for every later step (dynamo marks the growing

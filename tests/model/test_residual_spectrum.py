@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun_runs
+from conftest import fast_train_overrides, launch_job
 from model import build_model
 from model.residual import DepthTrace
 from model.residual.baseline import EmbeddingSkip, HighwayGate
@@ -237,18 +237,24 @@ def test_trains_and_resumes_exactly(tmp_path, tiny_dataset, variant):
     assert losses(resumed) == reference
 
 
-def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset):
+PIPED_VARIANTS = ("highway", "denseformer", "x0", "hc")
+
+
+@launch_job(2)
+def piped_runs(root, dataset):
+    return [fast_train_overrides(root / variant, dataset, steps=3, variant=variant, parallel="pp2")
+            for variant in PIPED_VARIANTS]
+
+
+def test_runs_under_pipeline_parallelism_like_one_process(tmp_path, tiny_dataset, launched):
     """highway, denseformer, x0 and HC (its m streams crossing the cut as m tensors) under pp2 (the four
-    runs in one torchrun launch): one process's losses."""
-    variants = ("highway", "denseformer", "x0", "hc")
-    result = torchrun_runs([fast_train_overrides(tmp_path / variant / "piped", tiny_dataset, steps=3, variant=variant,
-                                                 parallel="pp2") for variant in variants], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for variant in variants:
+    runs in the session's 2-rank launch): one process's losses."""
+    piped = launched(piped_runs)
+    for variant in PIPED_VARIANTS:
         straight = tmp_path / variant / "straight"
         Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=3, variant=variant)),
                 init_distributed()).fit()
-        reference, found = losses(straight), losses(tmp_path / variant / "piped")
+        reference, found = losses(straight), losses(piped / variant)
         assert sorted(found) == [1, 2, 3], variant
         for step, loss in found.items():
             assert loss == pytest.approx(reference[step], rel=1e-5), (variant, step)

@@ -272,10 +272,8 @@ def memory(info: DistInfo) -> dict:
     return {"dp": dp, "fsdp": fsdp, "single_bytes": single, "max_rank_bytes": int(per_rank.item())}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+def run(info: DistInfo) -> None:
+    """Every check of this world size; rank 0 prints the report."""
     results = [run_case(case, info) for case in CASES[info.world_size]]
     control = cut_read_blocks_control(info)
     usage = memory(info)
@@ -291,6 +289,12 @@ def main() -> None:
             print("MUON " + json.dumps(muon), flush=True)
         for pipeline in pipelines:
             print("PIPELINE " + json.dumps(pipeline), flush=True)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    run(DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo"))
     dist.destroy_process_group()
 
 

@@ -99,12 +99,10 @@ def bf16_case(variant: str, extra: list[str], info: DistInfo) -> dict:
             "comm": engine.comm_report(), "d_model": cfg.model.d_model}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, pp = dist.get_rank(), dist.get_world_size()
+def run(info: DistInfo) -> None:
+    """Every case of this pipeline degree (the world size) and the negative controls; rank 0 prints the report."""
+    rank, pp = info.rank, info.world_size
     results = [run_case(case, rank) for case in cases(pp)]
-    info = DistInfo(rank, pp, 0, torch.device("cpu"), "gloo")
     bf16 = [bf16_case(variant, extra, info) for variant, extra in
             (("baseline", []), ("block", ["variant.block_size=3"]))] if pp == 2 else []
     # Negative control: without the cached-gradient path the parity must break.
@@ -123,6 +121,12 @@ def main() -> None:
             print("CASE " + json.dumps(result))
         print("CONTROL " + json.dumps(control))
         print("CONTROL " + json.dumps(aux_control))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    run(DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo"))
     dist.destroy_process_group()
 
 

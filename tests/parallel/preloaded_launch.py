@@ -3,9 +3,9 @@ with it torch's distributed stack, the model and the trainer) once per launch in
 Those imports cost a rank 3-5 CPU-seconds (idle to busy machine) before its first step, most of what a
 test's launch of a few tiny steps on 2-16 ranks costs on a 2-core machine. The workers are what torchrun starts: the same agent
 (torch.distributed.launcher, standalone c10d rendezvous), the same environment (RANK, WORLD_SIZE,
-MASTER_ADDR, TORCHELASTIC_USE_AGENT_STORE, ...), fresh process groups. Used by the parity and trainer-run
-launches in tests/conftest.py; the tests of launching itself (restarts, refusals, the run lock) start
-`torchrun -m trainer.main` as a user does.
+MASTER_ADDR, TORCHELASTIC_USE_AGENT_STORE, ...), fresh process groups. Used by the launches of
+tests/conftest.py (launch_worker.py: the session's launch per world size); the tests of launching itself
+(restarts, refusals, the run lock) start `torchrun -m trainer.main` as a user does.
 
     python tests/parallel/preloaded_launch.py NPROC WORKER [ARG ...]
 

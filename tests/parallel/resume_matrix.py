@@ -2,10 +2,11 @@
 ends like its uninterrupted run, bitwise (the losses, gradient norm and validation loss of step 4, and
 every weight of the step-4 checkpoint).
 
-The runs of one world size go into one torchrun launch, beside that world size's other runs: 2 ranks in
-tests/parallel/test_resume_matrix.py, 4, 8 and 16 ranks in test_fsdp's composed launches, whose layouts take
-their step-3 checkpoints from the matrix's uninterrupted runs (copy_as_stopped) instead of training their own.
-One process runs in the test process.
+The runs of one world size are a job (JOBS) of the session's launch of that world size, beside its other
+jobs (tests/conftest.py, `launched`); tests/parallel/test_resume_matrix.py checks them. The uninterrupted runs
+also give other tests their layout's run, stopped after step 3 (copy_as_stopped), instead of training their
+own: test_fsdp's composed layouts, test_tensor_parallel's and test_pipeline's expert-parallel layouts. One
+process runs in the test process.
 
 Up to 2 ranks a run is stopped with train.stop_after=3 and launched again with the same command
 (resume=auto, what `make train` does); from 4 ranks on, where every run costs a few seconds, the resumed run
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fast_train_overrides
+from conftest import fast_train_overrides, launch_job
 from trainer.trained import load_trained
 
 STEPS, STOP = 4, 3  # fast_train_overrides checkpoints every 3 steps: step 3 is a checkpoint of every run
@@ -83,6 +84,10 @@ def runs(world: int, root: Path, dataset) -> list[list[str]]:
         planned.append(_overrides(root / f"{source}_to_{target}", dataset, target,
                                   resume=step_checkpoint(root / source / "straight")))
     return planned
+
+
+JOBS = {world: launch_job(world, f"resume_matrix_{world}")(
+    lambda directory, dataset, world=world: runs(world, directory, dataset)) for world in MATRIX if world > 1}
 
 
 def _records(run_dir: Path) -> dict[int, dict]:

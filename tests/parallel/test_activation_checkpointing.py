@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fast_train_overrides, torchrun_runs
+from conftest import fast_train_overrides, launch_job
 from model import build_model
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.dims import init_distributed
-from scripts.bench_memory import activation_bytes
+from scripts.bench.memory import activation_bytes
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
 
@@ -113,17 +113,22 @@ def logged(run_dir) -> dict:
     return steps
 
 
-def test_training_under_torchrun_matches_none(tmp_path, tiny_dataset):
-    """Each layout with and without its checkpointing mode, the eight runs in one torchrun launch: the same
-    losses, gradient norms, expert loads and diagnostics, bitwise."""
-    layouts = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective", "cp2": "selective"}
-    runs = [fast_train_overrides(tmp_path / layout / ac, tiny_dataset, steps=3, parallel=layout,
+LAYOUTS = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective", "cp2": "selective"}
+
+
+@launch_job(2)
+def layout_runs(root, dataset):
+    return [fast_train_overrides(root / layout / ac, dataset, steps=3, parallel=layout,
                                  **{"train.activation_checkpointing": ac})
-            for layout, mode in layouts.items() for ac in ("none", mode)]
-    result = torchrun_runs(runs, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for layout, mode in layouts.items():
-        without, checkpointed = logged(tmp_path / layout / "none"), logged(tmp_path / layout / mode)
+            for layout, mode in LAYOUTS.items() for ac in ("none", mode)]
+
+
+def test_training_under_torchrun_matches_none(launched):
+    """Each layout with and without its checkpointing mode, the eight runs in the session's 2-rank launch: the
+    same losses, gradient norms, expert loads and diagnostics, bitwise."""
+    root = launched(layout_runs)
+    for layout, mode in LAYOUTS.items():
+        without, checkpointed = logged(root / layout / "none"), logged(root / layout / mode)
         assert sorted(without) == [1, 2, 3], layout
         assert (without[3][3] is not None) == (layout == "dp2_ep2"), layout  # diagnostics: with the whole model
         assert checkpointed == without, layout

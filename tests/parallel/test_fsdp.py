@@ -11,24 +11,12 @@ import pytest
 import torch
 
 import resume_matrix
-from conftest import fast_train_overrides, preloaded_launch, task_rows, torchrun_runs
+from conftest import fast_train_overrides, launch_job, parity_job, report_lines, task_rows
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
 
-WORKER = Path(__file__).with_name("fsdp_parity_worker.py")
-
-
-def launch_worker(nproc: int) -> dict[str, list[dict]]:
-    """The worker's JSON lines by kind: CASE, CONTROL, MEMORY, PIPELINE, MUON."""
-    result = preloaded_launch(WORKER.stem, nproc, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = {"CASE": [], "CONTROL": [], "MEMORY": [], "PIPELINE": [], "MUON": []}
-    for line in result.stdout.splitlines():
-        kind, _, value = line.partition(" ")
-        if kind in lines:
-            lines[kind].append(json.loads(value))
-    return lines
+PARITY = {nproc: parity_job("fsdp_parity_worker", nproc) for nproc in (2, 4)}
 
 
 BF16_U = torch.finfo(torch.bfloat16).eps / 2  # bf16's unit roundoff, 2^-8 (round to nearest)
@@ -56,8 +44,8 @@ def assert_bf16_like_one_process(case: dict) -> None:
 
 
 @pytest.mark.parametrize("nproc, expected_cases", [(2, 8), (4, 3)])
-def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases):
-    lines = launch_worker(nproc)
+def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases, launched):
+    lines = {"PIPELINE": [], **report_lines(launched(PARITY[nproc]))}  # CASE, CONTROL, MEMORY, MUON, PIPELINE
     cases, (control,), (usage,) = lines["CASE"], lines["CONTROL"], lines["MEMORY"]
     print(f"model=xs parameters + AdamW state per rank: one process {usage['single_bytes']} bytes, "
           f"dp={usage['dp']} x fsdp={usage['fsdp']} {usage['max_rank_bytes']} bytes (largest rank), "
@@ -148,30 +136,37 @@ def assert_like_reference(run, reference, tolerance: dict | None = None) -> None
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=rel["val_loss"]), label
 
 
-def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
+CLIP = {"train.grad_clip": 0.5}  # the gradient norms are ~0.9: clipping is active every step
+# Muon on FSDP2's shards (trainer/muon.py: each matrix's update gathered and orthogonalised whole).
+MUON = {**CLIP, "optim": "muon"}
+
+
+@launch_job(2)
+def fsdp2_runs(root, dataset):
+    """One process straight through and stopped after 3 steps (here, adamw and muon); in the launch, fsdp2
+    stopped after 3 steps and fsdp2 resuming the stopped single-process run."""
+    single(root / "straight", dataset, **CLIP)
+    single(root / "single_first", dataset, **CLIP, **{"train.stop_after": 3})
+    single(root / "muon_straight", dataset, **MUON)
+    single(root / "muon_single_first", dataset, **MUON, **{"train.stop_after": 3})
+    return [
+        fast_train_overrides(root / "fsdp_first", dataset, steps=4, parallel="fsdp2", **CLIP, **{"train.stop_after": 3}),
+        fast_train_overrides(root / "single_first", dataset, steps=4, parallel="fsdp2", **CLIP),
+        fast_train_overrides(root / "muon_fsdp_first", dataset, steps=4, parallel="fsdp2", **MUON,
+                             **{"train.stop_after": 3}),
+        fast_train_overrides(root / "muon_single_first", dataset, steps=4, parallel="fsdp2", **MUON)]
+
+
+def test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset, launched):
     """Stopped after 3 fsdp2 steps, the run resumes in one process; a single-process checkpoint resumes
     under fsdp2; both have one process's losses and gradient norms (rel 1e-5), validation loss and
     per-block gradient RMS; the same both ways under optim=muon. A factor 2 in the gradient would double the norm; one in the LR moves the
     losses by far more than the tolerance (checked below)."""
-    clip = {"train.grad_clip": 0.5}  # the gradient norms are ~0.9: clipping is active every step
-    straight = tmp_path / "straight"
-    single(straight, tiny_dataset, **clip)
+    root = launched(fsdp2_runs)
+    clip, muon = CLIP, MUON
+    straight, fsdp_first, single_first = root / "straight", root / "fsdp_first", root / "single_first"
     reference = metrics(straight)
-
-    fsdp_first, single_first = tmp_path / "fsdp_first", tmp_path / "single_first"
-    single(single_first, tiny_dataset, **clip, **{"train.stop_after": 3})
-    # Muon on FSDP2's shards (trainer/muon.py: each matrix's update gathered and orthogonalised whole).
-    muon = {**clip, "optim": "muon"}
-    muon_dirs = {run: tmp_path / f"muon_{run}" for run in ("straight", "fsdp_first", "single_first")}
-    single(muon_dirs["straight"], tiny_dataset, **muon)
-    single(muon_dirs["single_first"], tiny_dataset, **muon, **{"train.stop_after": 3})
-    result = torchrun_runs([
-        fast_train_overrides(fsdp_first, tiny_dataset, steps=4, parallel="fsdp2", **clip, **{"train.stop_after": 3}),
-        fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="fsdp2", **clip),
-        fast_train_overrides(muon_dirs["fsdp_first"], tiny_dataset, steps=4, parallel="fsdp2", **muon,
-                             **{"train.stop_after": 3}),
-        fast_train_overrides(muon_dirs["single_first"], tiny_dataset, steps=4, parallel="fsdp2", **muon)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    muon_dirs = {run: root / f"muon_{run}" for run in ("straight", "fsdp_first", "single_first")}
     single(fsdp_first, tiny_dataset, **clip)
     single(muon_dirs["fsdp_first"], tiny_dataset, **muon)
 
@@ -235,33 +230,44 @@ COMPOSED_8 = {layout: resume_matrix.MATRIX_SETTINGS[layout] for layout in (
 COMPOSED_16 = {"dp2_fsdp2_pp2_tp2_ep2": resume_matrix.MATRIX_SETTINGS["dp2_fsdp2_pp2_tp2_ep2"]}
 
 
-def composed_runs(settings: dict, tmp_path, dataset) -> list[list[str]]:
+def composed_runs(settings: dict, root, dataset) -> list[list[str]]:
     """Per layout: one process straight through and stopped after 3 steps (here), and for the launch the
-    layout resuming one process's checkpoint; the launch also runs the resume matrix's runs of its world size
-    (under tmp_path / "resume"), among them each layout's uninterrupted run."""
+    layout resuming one process's checkpoint (the layout's own uninterrupted run is the resume matrix's)."""
     runs = []
     for layout, extra in settings.items():
-        single(tmp_path / layout / "straight", dataset, **extra)
-        single(tmp_path / layout / "single_first", dataset, **extra, **{"train.stop_after": 3})
-        runs.append(fast_train_overrides(tmp_path / layout / "single_first", dataset, steps=4, parallel=layout,
-                                         **extra))
+        single(root / layout / "straight", dataset, **extra)
+        single(root / layout / "single_first", dataset, **extra, **{"train.stop_after": 3})
+        runs.append(fast_train_overrides(root / layout / "single_first", dataset, steps=4, parallel=layout, **extra))
     return runs
 
 
-def assert_composed_like_one_process(settings: dict, tmp_path, dataset) -> None:
+def assert_composed_like_one_process(settings: dict, root, matrix, dataset) -> None:
     """The layout's run resumed in one process from its step-3 checkpoint (the resume matrix's uninterrupted
-    run, as it stood after step 3), and one process's run resumed under the layout, both have one process's
-    losses, gradient norms and validation loss (rel 1e-5)."""
+    run under `matrix`, as it stood after step 3), and one process's run resumed under the layout, both have
+    one process's losses, gradient norms and validation loss (rel 1e-5)."""
     for layout, extra in settings.items():
-        resume_matrix.copy_as_stopped(tmp_path / "resume" / layout / "straight", tmp_path / layout / "mesh_first")
-        single(tmp_path / layout / "mesh_first", dataset, **extra)
-        reference = metrics(tmp_path / layout / "straight")
+        resume_matrix.copy_as_stopped(matrix / layout / "straight", root / layout / "mesh_first")
+        single(root / layout / "mesh_first", dataset, **extra)
+        reference = metrics(root / layout / "straight")
         for run in ("mesh_first", "single_first"):
-            assert_like_reference(tmp_path / layout / run, reference)
+            assert_like_reference(root / layout / run, reference)
 
 
-def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(tmp_path, tiny_dataset):
-    """The 4-rank layouts, all in one torchrun launch (tests/parallel/trainer_runs_worker.py).
+# train.eval_tasks at the last step: HSDP gathers its shards to rank 0 for it.
+HSDP = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100, "train.eval_tasks": "[attnres_text]"}
+
+
+@launch_job(4)
+def four_rank_runs(root, dataset):
+    """HSDP's run and its one-process reference (here); the composed layouts' (composed_runs)."""
+    Trainer(load_config(fast_train_overrides(root / "straight_hsdp", dataset, steps=3, **HSDP)),
+            init_distributed()).fit()
+    return [fast_train_overrides(root / "hsdp", dataset, steps=3, parallel="dp2_fsdp2", **HSDP),
+            *composed_runs(COMPOSED, root, dataset)]
+
+
+def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(tiny_dataset, launched):
+    """The 4-rank layouts, in the session's 4-rank launch.
 
     HSDP (dp2_fsdp2: 2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses, gradient
     norms, validation loss and train.eval_tasks' scores (the shards gathered to rank 0) (rel 1e-5).
@@ -272,20 +278,9 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     cut dim 0. cp2_pp2: 2 pipeline stages (2 chunks each), each on 2 cp ranks holding half of every sequence.
     Each layout's step-3 checkpoint resumes in one process, and a single-process checkpoint resumes
     under the layout; both have one process's losses, gradient norms (clipping active) and validation loss,
-    rel 1e-5."""
-    one_each = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100}
-    # train.eval_tasks at the last step: HSDP gathers its shards to rank 0 for it.
-    scored = {**one_each, "train.eval_tasks": "[attnres_text]"}
-    straight_hsdp, hsdp = tmp_path / "straight_hsdp", tmp_path / "hsdp"
-    Trainer(load_config(fast_train_overrides(straight_hsdp, tiny_dataset, steps=3, **scored)),
-            init_distributed()).fit()
-    settings = COMPOSED  # gradient norms 1.4-3.3: the default train.grad_clip=1.0 is active
-    runs = [fast_train_overrides(hsdp, tiny_dataset, steps=3, parallel="dp2_fsdp2", **scored),
-            *composed_runs(settings, tmp_path, tiny_dataset), *resume_matrix.runs(4, tmp_path / "resume", tiny_dataset)]
-    result = torchrun_runs(runs, tmp_path, nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
-    resume_matrix.assert_resumed_bitwise(4, tmp_path / "resume")
-
+    rel 1e-5 (gradient norms 1.4-3.3: the default train.grad_clip=1.0 is active)."""
+    root = launched(four_rank_runs)
+    straight_hsdp, hsdp = root / "straight_hsdp", root / "hsdp"
     reference, found = metrics(straight_hsdp), metrics(hsdp)
     assert sorted(found["loss"]) == [1, 2, 3]
     for key in ("loss", "grad_norm"):
@@ -295,12 +290,17 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     assert found["val_loss"][3] == pytest.approx(reference["val_loss"][3], rel=1e-5)
     assert sorted(task_rows(hsdp)) == [3]
     assert task_rows(hsdp)[3] == pytest.approx(task_rows(straight_hsdp)[3], rel=1e-5)
-    assert_composed_like_one_process(settings, tmp_path, tiny_dataset)
+    assert_composed_like_one_process(COMPOSED, root, launched(resume_matrix.JOBS[4]), tiny_dataset)
+
+
+COMPOSED_JOBS = {nproc: launch_job(nproc, f"{__name__}.composed_{nproc}")(
+    lambda root, dataset, layouts=layouts: composed_runs(layouts, root, dataset))
+    for nproc, layouts in ((8, COMPOSED_8), (16, COMPOSED_16))}
 
 
 @pytest.mark.parametrize("nproc, layouts", [(8, COMPOSED_8), (16, COMPOSED_16)], ids=["8_ranks", "16_ranks"])
-def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(nproc, layouts, tmp_path,
-                                                                                    tiny_dataset):
+def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_ways(nproc, layouts, tiny_dataset,
+                                                                                    launched):
     """fsdp with two or three of the others, one torchrun launch per world size. 8 ranks: dp2_fsdp2_pp2_ep2
     (HSDP pipeline chunks with ep slices of the experts left out of fully_shard, cross-stage cache on; the
     planner recommends dpN_fsdp2_pp2_epN for kimi_linear_48b) and fsdp2_cp2_tp2 (tp slices sharded over
@@ -308,10 +308,7 @@ def test_composed_fsdp_layouts_train_like_one_process_and_checkpoints_move_both_
     stages of tp=2 neighbours, each rank's tp slices of its chunks HSDP-sharded over 2 replicas x 2 fsdp
     shards, the experts' ep slices left out of fully_shard, cross-stage cache on). Each trains 3 steps and
     resumes both ways from one process with one process's losses, gradient norms (clipping active) and
-    validation loss, rel 1e-5. The same launch runs the resume matrix's presets of its world size
-    (tests/parallel/resume_matrix.py): each stops and resumes in its own layout bitwise."""
-    runs = composed_runs(layouts, tmp_path, tiny_dataset) + resume_matrix.runs(nproc, tmp_path / "resume", tiny_dataset)
-    result = torchrun_runs(runs, tmp_path, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    resume_matrix.assert_resumed_bitwise(nproc, tmp_path / "resume")
-    assert_composed_like_one_process(layouts, tmp_path, tiny_dataset)
+    validation loss, rel 1e-5. Each layout's own run is the resume matrix's (tests/parallel/resume_matrix.py),
+    in the same launch."""
+    root, matrix = launched(COMPOSED_JOBS[nproc]), launched(resume_matrix.JOBS[nproc])
+    assert_composed_like_one_process(layouts, root, matrix, tiny_dataset)

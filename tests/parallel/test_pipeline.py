@@ -2,19 +2,20 @@
 communication volume against the paper's formulas, training and checkpoints across layouts, pipeline x
 expert parallelism (pp2_ep2)."""
 import json
-from pathlib import Path
+import shutil
 
 import pytest
 import torch
 
-from conftest import fast_train_overrides, launch_parity_worker, task_rows, torchrun_runs
+import resume_matrix
+from conftest import fast_train_overrides, launch_job, parity_job, report_lines, task_rows
 from parallel.dims import Degrees, init_distributed
 from parallel.pipeline.plan import PipelinePlan
 from scripts.pp_comm_volume import volumes
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
 
-WORKER = Path(__file__).with_name("pp_parity_worker.py")
+PARITY = {pp: parity_job("pp_parity_worker", pp) for pp in (2, 3)}
 
 
 BF16_U = torch.finfo(torch.bfloat16).eps / 2  # bf16's unit roundoff, 2^-8 (round to nearest)
@@ -42,8 +43,9 @@ def assert_bf16_like_one_process(case: dict) -> None:
 
 
 @pytest.mark.parametrize("pp, expected_cases", [(2, 30), (3, 21)])
-def test_one_step_under_pp_equals_one_process(pp, expected_cases):
-    cases, (control, aux_control) = launch_parity_worker(WORKER, pp)
+def test_one_step_under_pp_equals_one_process(pp, expected_cases, launched):
+    report = report_lines(launched(PARITY[pp]))
+    cases, (control, aux_control) = report["CASE"], report["CONTROL"]
     assert len(cases) == expected_cases
     assert {(c["vp"], c["schedule"]) for c in cases} >= {(1, "1f1b"), (1, "gpipe"), (2, "interleaved_1f1b")}
     bf16 = [case for case in cases if case.get("precision") == "bf16"]
@@ -112,39 +114,47 @@ def losses(run_dir):
             if "loss" in r}
 
 
-def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path, tiny_dataset):
-    extra = {"train.global_batch": 8}
-    Trainer(load_config(fast_train_overrides(tmp_path / "single", tiny_dataset, steps=4, **extra)),
+@launch_job(4)
+def dp2_pp2_vp2_run(root, dataset):
+    return [fast_train_overrides(root / "mesh", dataset, steps=4, parallel="dp2_pp2_vp2", **{"train.global_batch": 8})]
+
+
+def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path, tiny_dataset, launched):
+    Trainer(load_config(fast_train_overrides(tmp_path / "single", tiny_dataset, steps=4, **{"train.global_batch": 8})),
             init_distributed()).fit()
-    result = torchrun_runs([fast_train_overrides(tmp_path / "mesh", tiny_dataset, steps=4, parallel="dp2_pp2_vp2",
-                                                 **extra)], tmp_path, nproc=4)
-    assert result.returncode == 0, result.stderr[-3000:]
-    single, mesh = losses(tmp_path / "single"), losses(tmp_path / "mesh")
+    mesh_run = launched(dp2_pp2_vp2_run) / "mesh"
+    single, mesh = losses(tmp_path / "single"), losses(mesh_run)
     assert sorted(single) == sorted(mesh) == [1, 2, 3, 4]
     for step in single:
         assert mesh[step] == pytest.approx(single[step], rel=1e-5), step
-    records = [json.loads(line) for line in (tmp_path / "mesh" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (mesh_run / "metrics.jsonl").read_text().splitlines()]
     comm = next(r["pp_comm"] for r in records if "pp_comm" in r)
     d = load_config(["model=xs"]).model.d_model
     assert comm["measured_bytes_per_token"] == [n * d * 4 for n in comm["vectors_per_token"]]
 
 
-def test_checkpoints_move_between_pp_and_single_process(tmp_path, tiny_dataset):
+# train.eval_tasks at step 2: pp2_vp2 gathers both stages' chunks to rank 0 for it.
+SCORED = {"train.eval_tasks": "[attnres_text]", "train.eval_tasks_every": 2}
+
+
+@launch_job(2)
+def checkpoint_runs(root, dataset):
+    """One process straight through and stopped after 2 steps (here); in the launch, pp2_vp2 stopped after 2
+    steps and pp2_vp2 resuming the stopped single-process run."""
+    Trainer(load_config(fast_train_overrides(root / "straight", dataset, steps=4, **SCORED)), init_distributed()).fit()
+    Trainer(load_config(fast_train_overrides(root / "single_first", dataset, steps=4, **{"train.stop_after": 2})),
+            init_distributed()).fit()
+    return [fast_train_overrides(root / "pp_first", dataset, steps=4, parallel="pp2_vp2", **{"train.stop_after": 2},
+                                 **SCORED),
+            fast_train_overrides(root / "single_first", dataset, steps=4, parallel="pp2_vp2")]
+
+
+def test_checkpoints_move_between_pp_and_single_process(tiny_dataset, launched):
     """pp2_vp2 -> single and single -> pp2_vp2 both continue with the uninterrupted run's losses; pp2_vp2's
     train.eval_tasks scores at step 2 (both stages' chunks gathered to rank 0) are one process's."""
-    straight = tmp_path / "straight"
-    # train.eval_tasks at step 2: pp2_vp2 gathers both stages' chunks to rank 0 for it.
-    scored = {"train.eval_tasks": "[attnres_text]", "train.eval_tasks_every": 2}
-    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4, **scored)), init_distributed()).fit()
+    root = launched(checkpoint_runs)
+    straight, pp_first, single_first = root / "straight", root / "pp_first", root / "single_first"
     reference = losses(straight)
-
-    pp_first, single_first = tmp_path / "pp_first", tmp_path / "single_first"
-    Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 2})),
-            init_distributed()).fit()
-    result = torchrun_runs([fast_train_overrides(pp_first, tiny_dataset, steps=4, parallel="pp2_vp2",
-                                                 **{"train.stop_after": 2}, **scored),
-                            fast_train_overrides(single_first, tiny_dataset, steps=4, parallel="pp2_vp2")], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
     Trainer(load_config(fast_train_overrides(pp_first, tiny_dataset, steps=4)), init_distributed()).fit()
     assert task_rows(pp_first)[2] == pytest.approx(task_rows(straight)[2], rel=1e-5)
     assert set(task_rows(pp_first)[2]) == {f"eval/attnres_text/{name}"
@@ -163,23 +173,34 @@ def metrics(run_dir):
             for key in ("loss", "grad_norm", "val_loss", "moe_load_imbalance")}
 
 
-@pytest.mark.parametrize("layout, nproc, extra", [
-    ("pp2_ep2", 4, {"train.global_batch": 8}),
-    ("dp2_ep2", 2, {"train.eval_batches": 3}),
+DP2_EP2 = {"train.eval_batches": 3}
+
+
+@launch_job(2)
+def dp2_ep2_run(root, dataset):
+    return [fast_train_overrides(root / "mesh", dataset, steps=4, parallel="dp2_ep2", **DP2_EP2,
+                                 **{"train.stop_after": 3})]
+
+
+@pytest.mark.parametrize("layout, extra", [
+    ("pp2_ep2", resume_matrix.MATRIX_SETTINGS["pp2_ep2"]),  # {"train.global_batch": 8}
+    ("dp2_ep2", DP2_EP2),
 ])
-def test_expert_parallel_trains_like_one_process_and_resumes_in_one_process(tmp_path, tiny_dataset, layout, nproc,
-                                                                            extra):
+def test_expert_parallel_trains_like_one_process_and_resumes_in_one_process(tmp_path, tiny_dataset, layout, extra,
+                                                                            launched):
     """pp2_ep2: pipeline x expert parallelism on 4 ranks (2 stages, each with 2 data ranks holding half
     the experts). 3 steps with one process's losses, gradient norms and validation loss (rel 1e-5), then
     the checkpoint continues in one process. Validation batches that do not split evenly over the data
     ranks (pp2_ep2: one pipeline group for 2 ranks; dp2_ep2: 3 batches for 2 ranks): the rank without
-    one still runs a forward, which its ep peer's all-to-all waits for, and counts nothing."""
+    one still runs a forward, which its ep peer's all-to-all waits for, and counts nothing. pp2_ep2's run
+    stopped after 3 steps is the resume matrix's uninterrupted one as it stood then."""
     straight = tmp_path / "straight"
     Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4, **extra)), init_distributed()).fit()
     mesh = tmp_path / "mesh"
-    result = torchrun_runs([fast_train_overrides(mesh, tiny_dataset, steps=4, parallel=layout, **extra,
-                                                 **{"train.stop_after": 3})], tmp_path, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
+    if layout == "pp2_ep2":
+        resume_matrix.copy_as_stopped(launched(resume_matrix.JOBS[4]) / layout / "straight", mesh)
+    else:
+        shutil.copytree(launched(dp2_ep2_run) / "mesh", mesh)
     Trainer(load_config(fast_train_overrides(mesh, tiny_dataset, steps=4, **extra)), init_distributed()).fit()
     reference, found = metrics(straight), metrics(mesh)
     assert sorted(found["loss"]) == [1, 2, 3, 4]

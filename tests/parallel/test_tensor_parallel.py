@@ -3,28 +3,26 @@ tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2, cp=4, cp=2 x tp=2, fsdp=2 x cp=2, dp=2 x 
 elements, the trainer trains and checkpoints move between these layouts and one process, bad layouts are
 refused in one line."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import fast_train_overrides, launch_parity_worker, torchrun_runs
+import resume_matrix
+from conftest import fast_train_overrides, launch_job, parity_job, report_lines
 from parallel.dims import Degrees, init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
 
-WORKER = Path(__file__).with_name("tp_parity_worker.py")
+PARITY = {nproc: parity_job("tp_parity_worker", nproc) for nproc in (2, 4)}
 
 
 @pytest.mark.parametrize("nproc, expected_cases", [(2, 11), (4, 9)])
-def test_one_step_under_tp_cp_and_ep_equals_one_process(nproc, expected_cases):
+def test_one_step_under_tp_cp_and_ep_equals_one_process(nproc, expected_cases, launched):
     """Loss, every gradient, the gradient norm and the expert load of one step (the sequence-level balance
     loss included in one tp2 and one cp2 case); negative controls: replicated gradients left incomplete over
     tp, and (2 ranks) each rank's balance loss over its own slice of the sequences, and cp2 with every
     slice's KDA recurrence started from zero (no state passing)."""
-    cases, (control, *extra_controls) = launch_parity_worker(WORKER, nproc)
+    report = report_lines(launched(PARITY[nproc]))
+    cases, (control, *extra_controls) = report["CASE"], report["CONTROL"]
     assert len(cases) == expected_cases
     if nproc == 2:
         aux_control, no_state_passing = extra_controls
@@ -60,33 +58,39 @@ def losses(run_dir):
 TP_MUON_TOLERANCE = 2e-4
 
 
-def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tmp_path, tiny_dataset):
+LAYOUTS = ("tp2", "dp2_ep2", "cp2")
+MUON = {"optim": "muon"}
+
+
+@launch_job(2)
+def checkpoint_runs(root, dataset):
+    """One process straight through (here), and as it stood after step 3 (copy_as_stopped) resumed in each
+    layout; tp2 under Muon stopped after 3 steps, and one process's Muon run stopped there resumed in tp2.
+    Each layout's own run stopped after 3 steps is the resume matrix's uninterrupted one."""
+    straight = root / "straight"
+    Trainer(load_config(fast_train_overrides(straight, dataset, steps=4)), init_distributed()).fit()
+    runs = []
+    for parallel in LAYOUTS:
+        resume_matrix.copy_as_stopped(straight, root / parallel / "single_first")
+        runs.append(fast_train_overrides(root / parallel / "single_first", dataset, steps=4, parallel=parallel))
+    # Muon under tp2 (trainer/muon.py: each slice's update gathered over tp and orthogonalised whole).
+    muon_straight = root / "muon_straight"
+    Trainer(load_config(fast_train_overrides(muon_straight, dataset, steps=4, **MUON)), init_distributed()).fit()
+    resume_matrix.copy_as_stopped(muon_straight, root / "muon_single_first")
+    return runs + [fast_train_overrides(root / "muon_layout_first", dataset, steps=4, parallel="tp2", **MUON,
+                                        **{"train.stop_after": 3}),
+                   fast_train_overrides(root / "muon_single_first", dataset, steps=4, parallel="tp2", **MUON)]
+
+
+def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tiny_dataset, launched):
     """tp2, dp2_ep2 and cp2 each train like one process (train and validation losses); stopped half-way a
     run resumes in one process, and a single-process checkpoint resumes in the layout, both with the same
-    losses; the same both ways for tp2 under optim=muon. The eight layout runs share one torchrun launch."""
-    straight = tmp_path / "straight"
-    Trainer(load_config(fast_train_overrides(straight, tiny_dataset, steps=4)), init_distributed()).fit()
+    losses; the same both ways for tp2 under optim=muon. The layout runs are in the session's 2-rank launch."""
+    root, matrix = launched(checkpoint_runs), launched(resume_matrix.JOBS[2])
+    straight = root / "straight"
     reference, reference_val = losses(straight)
-    layouts, runs = ("tp2", "dp2_ep2", "cp2"), []
-    for parallel in layouts:
-        single_first = tmp_path / parallel / "single_first"
-        Trainer(load_config(fast_train_overrides(single_first, tiny_dataset, steps=4, **{"train.stop_after": 3})),
-                init_distributed()).fit()
-        runs += [fast_train_overrides(tmp_path / parallel / "layout_first", tiny_dataset, steps=4, parallel=parallel,
-                                      **{"train.stop_after": 3}),
-                 fast_train_overrides(single_first, tiny_dataset, steps=4, parallel=parallel)]
-    # Muon under tp2 (trainer/muon.py: each slice's update gathered over tp and orthogonalised whole).
-    muon = {"optim": "muon"}
-    muon_dirs = {run: tmp_path / f"muon_{run}" for run in ("straight", "layout_first", "single_first")}
-    for run, extra in (("straight", {}), ("single_first", {"train.stop_after": 3})):
-        Trainer(load_config(fast_train_overrides(muon_dirs[run], tiny_dataset, steps=4, **muon, **extra)),
-                init_distributed()).fit()
-    runs += [fast_train_overrides(muon_dirs["layout_first"], tiny_dataset, steps=4, parallel="tp2", **muon,
-                                  **{"train.stop_after": 3}),
-             fast_train_overrides(muon_dirs["single_first"], tiny_dataset, steps=4, parallel="tp2", **muon)]
-    result = torchrun_runs(runs, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-
+    layouts, muon = LAYOUTS, MUON
+    muon_dirs = {run: root / f"muon_{run}" for run in ("straight", "layout_first", "single_first")}
     Trainer(load_config(fast_train_overrides(muon_dirs["layout_first"], tiny_dataset, steps=4, **muon)),
             init_distributed()).fit()
     muon_reference, muon_reference_val = losses(muon_dirs["straight"])
@@ -98,9 +102,10 @@ def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tmp_path, tiny_dat
         assert val[3] == pytest.approx(muon_reference_val[3], rel=TP_MUON_TOLERANCE), f"muon/{run}"
 
     for parallel in layouts:
-        layout_first = tmp_path / parallel / "layout_first"
+        layout_first = root / parallel / "layout_first"
+        resume_matrix.copy_as_stopped(matrix / parallel / "straight", layout_first)
         Trainer(load_config(fast_train_overrides(layout_first, tiny_dataset, steps=4)), init_distributed()).fit()
-        for run in (layout_first, tmp_path / parallel / "single_first"):
+        for run in (layout_first, root / parallel / "single_first"):
             label = f"{parallel}/{run.name}"
             train, val = losses(run)
             assert sorted(train) == [1, 2, 3, 4], label
@@ -133,11 +138,8 @@ def test_tp_and_ep_layouts_that_do_not_fit_the_processes_are_refused(overrides, 
         validate_layout(load_config(overrides), world)
 
 
-def test_tp2_chunked_prefill_holds_a_tp_th_of_the_blocks_and_equals_one_process():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "scripts.bench_tp_prefill", "--model", "xs", "--prompt", "64", "--chunk", "16"],
-                            capture_output=True, text=True, timeout=300, env=env)
+def test_tp2_chunked_prefill_holds_a_tp_th_of_the_blocks_and_equals_one_process(torchrun):
+    result = torchrun(["tp_prefill", "model=xs", "prompt=64", "chunk=16"], module="scripts.bench", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if "per-rank block storage" in line]
     assert [row[0] for row in rows] == ["chunk=64", "chunk=16"]

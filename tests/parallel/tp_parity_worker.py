@@ -141,10 +141,8 @@ def run_case(case: dict, info: DistInfo) -> dict:
                                        if block_elements >= 0 else -1)}
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+def run(info: DistInfo) -> None:
+    """Every case of this world size and the negative controls; rank 0 prints the report."""
     results = [run_case(case, info) for case in CASES[info.world_size]]
     # Negative control: without completing the replicated gradients over tp the parity must break.
     original = gradients.reduce_replicated_grads
@@ -163,6 +161,12 @@ def main() -> None:
         print("CONTROL " + json.dumps(control), flush=True)
         for extra in extra_controls:
             print("CONTROL " + json.dumps(extra), flush=True)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    run(DistInfo(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo"))
     dist.destroy_process_group()
 
 

@@ -9,6 +9,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 from scripts.bench import inference as bench_inference
 from scripts.bench import kernels as bench_kernels
 from scripts.gpu_checks.run import CHECKS
@@ -21,6 +23,7 @@ def gpu_check(*args, out):
                           env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_OUT": str(out)})
 
 
+@pytest.mark.compile  # its compiled_decode check, and the Triton kernels under the interpreter
 def test_the_rehearsal_runs_every_check_on_the_cpu_and_skips_only_what_needs_cuda(tmp_path):
     result = gpu_check("--rehearse", out=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -17,6 +17,8 @@ from scripts.report.sweeps import parabola_minimum
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
+pytestmark = pytest.mark.lm_eval  # tiny_runs, which most tests read, scores lm_eval's local tasks
+
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, tiny_dataset):

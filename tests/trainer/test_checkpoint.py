@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from model import build_model
 from model.config import ModelConfig, ResidualConfig
-from conftest import fast_train_overrides, torchrun_runs
+from conftest import fast_train_overrides, launch_job
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import (
     CheckpointError,
@@ -429,15 +429,24 @@ def test_a_corrupt_newer_checkpoint_does_not_get_the_new_one_pruned(tmp_path, cf
                                                             "after it was written)")])
 
 
-def test_under_torchrun_ranks_split_the_checksums_and_fall_back_together(tmp_path, tiny_dataset):
+ASYNC_SAVES = {"train.ckpt_every": 2, "checkpoint.async_mode": "async"}
+
+
+@launch_job(2)
+def async_run(root, dataset):
+    return [fast_train_overrides(root / "run", dataset, steps=4, **ASYNC_SAVES)]
+
+
+def test_under_torchrun_ranks_split_the_checksums_and_fall_back_together(tmp_path, tiny_dataset, launched,
+                                                                         torchrun_runs):
     """Two ranks: sorted files [.metadata, __0_0.distcp, __1_0.distcp, extra/rank_0.json, extra/rank_1.json],
     so only rank 1 hashes __0_0.distcp; both must skip the checkpoint, or rank 0 would load it alone. The saves
     are asynchronous (checkpoint.async_mode=async): each rank hashes its share once both ranks' background
-    writes are done, and the resume from step 2's checkpoint continues the run bitwise."""
+    writes are done, and the resume from step 2's checkpoint continues the run bitwise. The first run is the
+    session's 2-rank launch's; the resume, which follows the corruption, a launch of its own."""
     run = tmp_path / "run"
-    overrides = fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2, "checkpoint.async_mode": "async"})
-    result = torchrun_runs([overrides], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(launched(async_run) / "run", run)
+    overrides = fast_train_overrides(run, tiny_dataset, steps=4, **ASYNC_SAVES)
     uninterrupted = losses_by_step(run)
     *_, previous, newest = sorted((run / "checkpoints").glob("step_*"))
     assert sorted(json.loads((newest / "meta.json").read_text())["files"]) == [

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import fast_train_overrides, torchrun_runs
+from conftest import fast_train_overrides, launch_job
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
@@ -23,6 +23,7 @@ def losses(run_dir):
     return [row["loss"] for row in rows if "loss" in row]
 
 
+@pytest.mark.compile
 def test_compiled_blocks_train_with_the_eager_losses(tmp_path, tiny_dataset):
     for mode in ("false", "true"):
         overrides = fast_train_overrides(tmp_path / mode, tiny_dataset, steps=3,
@@ -37,14 +38,16 @@ def test_compiled_blocks_train_with_the_eager_losses(tmp_path, tiny_dataset):
     assert compiled == pytest.approx(eager, abs=1e-4)
 
 
-def test_compiled_blocks_under_the_pipeline_with_full_checkpointing_train_with_the_eager_losses(
-        tmp_path, tiny_dataset):
+@launch_job(2)
+def pipeline_runs(root, dataset):
     runs = {"eager": {}, "compiled": {"train.compile": "true", "train.activation_checkpointing": "full"}}
-    result = torchrun_runs([fast_train_overrides(tmp_path / name, tiny_dataset, steps=3,
-                                                 **{**TWO_DENSE_BLOCKS, "parallel": "pp2", **extra})
-                            for name, extra in runs.items()], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    return [fast_train_overrides(root / name, dataset, steps=3, **{**TWO_DENSE_BLOCKS, "parallel": "pp2", **extra})
+            for name, extra in runs.items()]
+
+
+def test_compiled_blocks_under_the_pipeline_with_full_checkpointing_train_with_the_eager_losses(launched):
+    root = launched(pipeline_runs)
+    eager, compiled = losses(root / "eager"), losses(root / "compiled")
     assert len(eager) == 3
     assert compiled == pytest.approx(eager, abs=1e-4)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import WORDS, fast_train_overrides, torchrun_runs
+from conftest import WORDS, fast_train_overrides, launch_job
 from model.document_masking import document_starts
 from parallel.dims import init_distributed
 from trainer.config import load_config
@@ -18,17 +18,20 @@ from trainer.data import prepare_text_corpus
 from trainer.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
+def prepare_short_documents(root):
     """300 documents of 1-3 sentences (about 10-40 tokens): every 32-token window crosses a document end."""
-    root = tmp_path_factory.mktemp("short_documents")
     rng = random.Random(1)
-    (root / "texts").mkdir()
+    (root / "texts").mkdir(parents=True)
     for i in range(300):
         sentences = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "."
                      for _ in range(rng.randint(1, 3)))
         (root / "texts" / f"doc{i:03d}.txt").write_text(" ".join(sentences) + "\n")
     return prepare_text_corpus([root / "texts"], root / "prepared", 512)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    return prepare_short_documents(tmp_path_factory.mktemp("short_documents"))
 
 
 def masked_trainer(run, dataset, **extra):
@@ -78,20 +81,28 @@ def test_activation_checkpointing_keeps_the_masked_losses(tmp_path, short_docume
     assert losses(tmp_path / "selective") == losses(tmp_path / "none")
 
 
-def test_masked_training_under_dp_tp_fsdp_cp_and_pp_is_one_process(tmp_path, short_documents):
+LAYOUTS = ("dp2", "tp2", "fsdp2", "cp2", "pp2", "pp2_vp2")
+
+
+@launch_job(2)
+def layout_runs(root, _):
+    """The layouts' runs, on short documents prepared here (the same tokens as the short_documents fixture's)."""
+    dataset = prepare_short_documents(root / "short_documents")
+    return [fast_train_overrides(root / layout, dataset, steps=3, parallel=layout, **{"data.document_masking": "true"})
+            for layout in LAYOUTS]
+
+
+def test_masked_training_under_dp_tp_fsdp_cp_and_pp_is_one_process(tmp_path, short_documents, launched):
     """dp2, tp2 (sequence-sharded: the starts come from the whole sequence), fsdp2, cp2 (each slice's
     documents continue from the earlier slice's: convolution windows, KDA's state, MLA's keys), pp2 and
-    pp2_vp2 (every stage gets its microbatch's starts from the schedule), in one launch."""
-    layouts = ("dp2", "tp2", "fsdp2", "cp2", "pp2", "pp2_vp2")
-    result = torchrun_runs([fast_train_overrides(tmp_path / layout, short_documents, steps=3, parallel=layout,
-                                                 **{"data.document_masking": "true"}) for layout in layouts], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    pp2_vp2 (every stage gets its microbatch's starts from the schedule), in the session's 2-rank launch."""
+    root, layouts = launched(layout_runs), LAYOUTS
     masked_trainer(tmp_path / "single", short_documents).fit()
     masked_trainer(tmp_path / "unmasked", short_documents, **{"data.document_masking": "false"}).fit()
     reference = losses(tmp_path / "single")
     assert abs(losses(tmp_path / "unmasked")[1] - reference[1]) > 1e-4  # the control
     for layout in layouts:
-        found = losses(tmp_path / layout)
+        found = losses(root / layout)
         assert sorted(found) == [1, 2, 3], layout
         for step, value in found.items():
             assert value == pytest.approx(reference[step], rel=1e-5), (layout, step)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fast_train_overrides, torchrun
+from conftest import fast_train_overrides
 from parallel.dims import init_distributed
 from trainer import main as trainer_main_module
 from trainer.check import main as check
@@ -82,7 +82,7 @@ def test_second_run_on_a_locked_dir_is_refused_in_one_line_and_changes_nothing(t
     assert not (run / LOCK_FILE).exists()
 
 
-def test_every_rank_of_a_second_torchrun_job_refuses_with_the_same_line(tmp_path, tiny_dataset):
+def test_every_rank_of_a_second_torchrun_job_refuses_with_the_same_line(tmp_path, tiny_dataset, torchrun):
     run = tmp_path / "run"
     lock = RunDirLock(run).acquire()
     try:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import built_once, fast_train_overrides, task_rows, torchrun, torchrun_runs
+from conftest import fast_train_overrides, job_output, launch_job, task_rows
 from parallel.dims import init_distributed
 from trainer.run_dir.checkpoint import CheckpointError, latest_checkpoint, seal_meta
 from trainer.config import ConfigError, load_config
@@ -139,21 +139,19 @@ PLANTED_HANG = {"train.steps": 2, "train.hang_after_s": 1.5, "debug.sleep_at_ste
                 "debug.sleep_rank": 1}
 
 
-@pytest.fixture(scope="module")
-def ddp_launch(tmp_path_factory, tiny_dataset):
-    """One 2-rank launch for the DDP tests, once per session: a run with train.eval_tasks; a run stopped after 3
-    steps and resumed (in processes whose RNGs have moved on since); a run whose rank 1 sleeps inside step 2
-    (hang diagnosis). Returns the run directories and the launch's stderr. The runs read the tiny dataset of
-    the worker that launched them: every worker prepares the same tokens from the same seed."""
-    def launch(root):
-        result = torchrun_runs([fast_train_overrides(root / run, tiny_dataset, steps=6, **extra) for run, extra in
-                                [("ddp", EVAL_TASKS), ("ddp_resumed", {"train.stop_after": 3}), ("ddp_resumed", {}),
-                                 ("hang", PLANTED_HANG)]], root)
-        assert result.returncode == 0, result.stderr[-3000:]
-        (root / "stderr.txt").write_text(result.stderr)
+@launch_job(2)
+def ddp_runs(root, dataset):
+    """A run with train.eval_tasks; a run stopped after 3 steps and resumed (in processes whose RNGs have moved
+    on since); a run whose rank 1 sleeps inside step 2 (hang diagnosis)."""
+    return [fast_train_overrides(root / run, dataset, steps=6, **extra) for run, extra in
+            [("ddp", EVAL_TASKS), ("ddp_resumed", {"train.stop_after": 3}), ("ddp_resumed", {}), ("hang", PLANTED_HANG)]]
 
-    root = built_once(tmp_path_factory, "ddp_launch", launch)
-    return {run: root / run for run in ("ddp", "ddp_resumed", "hang")}, (root / "stderr.txt").read_text()
+
+@pytest.fixture
+def ddp_launch(launched):
+    """The DDP runs of the session's 2-rank launch: their directories and the ranks' stderr."""
+    root = launched(ddp_runs)
+    return {run: root / run for run in ("ddp", "ddp_resumed", "hang")}, job_output(root)
 
 
 def test_ddp_matches_single_process_and_resumes_exactly(tmp_path, tiny_dataset, ddp_launch):
@@ -197,7 +195,7 @@ def test_a_rank_sleeping_inside_a_step_gets_both_ranks_stacks_written(ddp_launch
 
 
 def test_a_rank_killed_mid_training_is_restarted_by_torchrun_and_ends_like_the_uninterrupted_run(
-        tmp_path, tiny_dataset, ddp_launch):
+        tmp_path, tiny_dataset, ddp_launch, torchrun):
     """Rank 1 is SIGKILLed after step 4 (checkpoint at step 3); torchrun's agent stops rank 0, restarts both,
     resume=auto continues from step 3, and the losses are bitwise those of the launch's uninterrupted 2-rank
     run (same processes, threads and AdamW)."""
@@ -225,7 +223,7 @@ def reseal_extra(checkpoint, rank: int, change) -> None:
     meta_file.write_text(json.dumps(seal_meta(meta)))
 
 
-def test_a_rank_failing_alone_ends_the_job_at_once_naming_its_error(tmp_path, tiny_dataset, ddp_launch):
+def test_a_rank_failing_alone_ends_the_job_at_once_naming_its_error(tmp_path, tiny_dataset, ddp_launch, torchrun):
     """Rank 1 alone refuses its extra file at start-up while rank 0 goes on into the first step's all-reduce,
     where nothing would end its wait before parallel.init_timeout_s (600 s, the default). Rank 0 reads rank
     1's failure from the job's store (parallel/failure.py) and stops with a line naming it: the launch ends
@@ -246,7 +244,7 @@ def test_a_rank_failing_alone_ends_the_job_at_once_naming_its_error(tmp_path, ti
     assert "Error executing job" not in result.stderr  # Hydra's header of a rank's traceback
 
 
-def test_a_collective_timeout_is_one_line_and_ends_the_peer(tmp_path, tiny_dataset):
+def test_a_collective_timeout_is_one_line_and_ends_the_peer(tmp_path, tiny_dataset, torchrun):
     """Rank 1 sleeps 60 s inside step 2; rank 0's collective times out after parallel.collective_timeout_s
     (2 s) and says so in one line, with no second traceback from leaving; rank 1, still asleep, reads that
     failure from the job's store and stops with a line naming it, long before its sleep would end."""
