@@ -26,8 +26,19 @@ class MoEConfig:
     n_routed_experts: int = 8
     top_k: int = 2
     moe_inter: int = 256        # hidden width of one routed expert
-    n_shared_experts: int = 1   # shared SwiGLU of width n_shared * moe_inter, added unweighted
+    n_shared_experts: int = 1   # shared gated MLP of width n_shared * moe_inter, added unweighted
     routed_scaling_factor: float = 1.0
+    renormalize: bool = True        # the top-k combine weights divided by their sum (+ 1e-20, as the release)
+    bias_in_weights: bool = False   # the combine weights read the biased scores (Kimi Linear's released code);
+                                    # false: the unbiased ones, the bias steers only the choice (K3, DeepSeek-V3)
+    n_expert_groups: int = 1        # grouped top-k (num_expert_group): experts in this many consecutive groups
+    topk_groups: int = 1            # topk_group: the groups (by their two best biased scores) a token may use
+    activation: str = "swiglu"      # swiglu | situ (K3): the gated activation of every MLP, routed, shared and dense
+    situ_beta: float = 4.0          # SiTU gate: beta * tanh(gate / beta) * sigmoid(gate)
+    situ_linear_beta: float | None = 25.0  # SiTU up: linear_beta * tanh(up / linear_beta); None: up as it is
+    latent_dim: int | None = None   # LatentMoE (K3's routed_expert_hidden_size): the routed experts' width, between
+                                    # a down projection before dispatch and an up projection after; None: d_model
+    latent_norm: bool = False       # LatentMoE: RMSNorm of the latent top-k sum before the up projection
     bias_update_rate: float = 1e-2  # aux-loss-free balancing step size (1e-3 left experts 2-3x imbalanced at step 100)
     aux_loss_coef: float = 0.0      # optional sequence-level balance loss
 

@@ -7,7 +7,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.kda import KimiDeltaAttention
 from model.mla import MultiHeadLatentAttention
-from model.mlp import SwiGLU
+from model.mlp import GatedActivation, GatedMLP
 from model.moe import MoE
 from model.norms import RMSNorm
 from model.residual import DepthState, ResidualMixer
@@ -21,7 +21,8 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
         self.attn = MultiHeadLatentAttention(cfg) if cfg.is_mla(index) else KimiDeltaAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernel_impl)
-        self.mlp = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_inter)
+        self.mlp = (MoE(cfg) if cfg.is_moe(index)
+                    else GatedMLP(cfg.d_model, cfg.dense_inter, GatedActivation.of(cfg.moe)))
         self.attn_res = mixer.make_read(self.attn_sublayer)
         self.mlp_res = mixer.make_read(channel_mixer_sublayer(index))
 

@@ -82,9 +82,12 @@ def config_counts(cfg: ModelConfig) -> ConfigCounts:
     n_mla = -(-n // cfg.mla_every)                         # every mla_every-th block, and the last one
     n_moe = n - cfg.n_dense_layers
     E, inter = moe.n_routed_experts, moe.moe_inter
-    routed_per_layer = 3 * E * d * inter
+    width = d if moe.latent_dim is None else moe.latent_dim  # the routed experts' (LatentMoE: the latent)
+    routed_per_layer = 3 * E * width * inter
     shared = 3 * d * moe.n_shared_experts * inter
-    per_moe = d * E + routed_per_layer + shared            # router, experts, shared expert
+    # LatentMoE's down and up projections and its latent norm
+    latent = 0 if moe.latent_dim is None else 2 * d * width + (width if moe.latent_norm else 0)
+    per_moe = d * E + routed_per_layer + shared + latent   # router, experts, shared expert, latent
     blocks = (n * 2 * d + n_mla * _mla(cfg) + (n - n_mla) * _kda(cfg)
               + cfg.n_dense_layers * 3 * d * cfg.dense_inter + n_moe * per_moe)
     total = 2 * cfg.vocab_size * d + d + blocks + _reads(cfg)  # embedding, head, final norm

@@ -2,7 +2,9 @@
 
 Each rank of an ep group holds E/ep experts. Routing stays local; the assignments, already sorted
 by expert, go to the rank holding their expert with one all-to-all, come back with another, and the
-MoE layer combines them as before. The shared expert stays replicated. The ep group is carved out of
+MoE layer combines them as before. The rows are in the experts' width w: d_model, or under LatentMoE the
+latent (the MoE projects down before it sorts), so the all-to-alls carry latent_dim elements per row. The
+shared expert and LatentMoE's projections stay replicated. The ep group is carved out of
 the data-parallel ranks, so the ranks of one ep group see different batches: an expert's gradient
 sums its tokens from the whole ep group, and the trainer averages it over `expert_dp_group` (the
 ranks holding the same experts) instead of over dp.
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from model.decoder import Decoder
-from model.moe import MoE, grouped_swiglu
+from model.moe import MoE, grouped_experts
 from parallel.dims import Layout
 from parallel.placement import names_on, place
 
@@ -36,14 +38,14 @@ class ExpertDispatch:
         recv_counts = recv_counts.view(P, E_local)
         recv_splits = recv_counts.sum(1)  # (P,)
         x_recv = funcol.all_to_all_single_autograd(x_sorted, recv_splits.tolist(), send_splits.tolist(),
-                                                   self.group)  # (M, d) by source, then expert
+                                                   self.group)  # (M, w) by source, then expert
 
         # Regroup the received rows by local expert (stable, so each expert keeps source order).
         expert_of_row = torch.arange(E_local, device=counts.device).repeat(P).repeat_interleave(recv_counts.flatten())
         order = torch.argsort(expert_of_row, stable=True)  # (M,)
-        y_grouped = grouped_swiglu(x_recv[order], recv_counts.sum(0), self.moe.w_gate, self.moe.w_up,
-                                   self.moe.w_down)  # (M, d)
-        y_recv = y_grouped[torch.argsort(order)]  # (M, d) back in arrival order
+        y_grouped = grouped_experts(x_recv[order], recv_counts.sum(0), self.moe.w_gate, self.moe.w_up,
+                                    self.moe.w_down, activation=self.moe.activation)  # (M, w)
+        y_recv = y_grouped[torch.argsort(order)]  # (M, w) back in arrival order
         return funcol.all_to_all_single_autograd(y_recv, send_splits.tolist(), recv_splits.tolist(), self.group)
 
 

@@ -1,12 +1,13 @@
 """Float8 matmuls, `train.float8=true`: torchao's float8 training conversion, applied at build time.
 
 `convert_to_float8` swaps the Linear layers of every block's token mixer (`attn`: KDA or MLA) and MLP
-(`mlp`: the dense SwiGLU, or the MoE's shared expert) for torchao's `Float8Linear`, on the meta model,
-before activation checkpointing, tp/ep and FSDP wrap them (as torchtitan's model converters do, so FSDP2
-could later gather float8 weights). Parameter names do not change, so checkpoints move freely between
-float8 and bf16 runs. Recipe: torchao's default, tensorwise dynamic scales, e4m3 for inputs and weights,
-e5m2 for output gradients; the weights stay in their fp32 master copy and each matmul casts its operands
-(so the saved activations are the high-precision inputs a plain Linear keeps).
+(`mlp`: the dense gated MLP, or the MoE's shared experts and LatentMoE's projections) for torchao's
+`Float8Linear`, on the meta model, before activation checkpointing, tp/ep and FSDP wrap them (as
+torchtitan's model converters do, so FSDP2 could later gather float8 weights). Parameter names do not
+change, so checkpoints move freely between float8 and bf16 runs. Recipe: torchao's default, tensorwise
+dynamic scales, e4m3 for inputs and weights, e5m2 for output gradients; the weights stay in their fp32
+master copy and each matmul casts its operands (so the saved activations are the high-precision inputs a
+plain Linear keeps).
 
 Kept in higher precision, on purpose:
 - the routers (`mlp.router`): a rounding step in the logits flips which experts a token picks, and their

@@ -246,23 +246,45 @@ def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, queries: int, keys: in
     return query_side + Elements(a=per_query * (H * (n + p) + H * v + gathered) + H * keys)
 
 
-def swiglu_elements(d: int, inter: int, mode: str) -> Elements:
-    """Dense SwiGLU: none: input d, gate, up, SiLU, product 4I; selective: gate, up 2I, down d."""
-    return Elements(a=2 * inter + d) if mode == "selective" else Elements(a=d + 4 * inter)
+def gated_product_elements(cfg: ModelConfig, inter: int) -> Elements:
+    """What a gated MLP's activation (model.moe.activation) keeps for backward per token, `inter` wide.
+    swiglu: the gate and up projections' outputs, the SiLU and the product, 4I. situ, in fp32 from the
+    projections' outputs (which it does not keep): tanh(gate / beta) and its beta multiple, sigmoid(gate),
+    the gate factor, tanh(up / linear_beta) and the up factor, 6I fp32 (5I with linear_beta null: the up
+    output cast to fp32 instead of the last two), and the product I."""
+    moe = cfg.moe
+    if moe.activation == "swiglu":
+        return Elements(a=4 * inter)
+    return Elements(a=inter, f=(5 if moe.situ_linear_beta is None else 6) * inter)
+
+
+def gated_mlp_elements(cfg: ModelConfig, inter: int, mode: str) -> Elements:
+    """Dense gated MLP: none: input d and the activation's (gated_product_elements); selective: gate, up 2I,
+    down d."""
+    d = cfg.d_model
+    return Elements(a=2 * inter + d) if mode == "selective" else Elements(a=d) + gated_product_elements(cfg, inter)
 
 
 def moe_elements(cfg: ModelConfig, mode: str, capacity: float) -> Elements:
-    """MoE, E experts, top k, expert width I_e, shared width I_s (dropless; `capacity` scales the routed
+    """MoE, E experts, top k, expert width I_e, shared width I_s, the experts' rows w wide (d, or LatentMoE's
+    latent_dim: what expert parallelism's all-to-alls carry) (dropless; `capacity` scales the routed
     rows a rank computes under ep: the load above the mean). none: input d, router scores E and routing
     indices (fp32/int64, ~8k), per assignment the gathered input, the concatenated and weighted outputs
-    3d and the SwiGLU 4I_e, shared 4I_s. selective: router E, per assignment 2I_e + d, shared 2I_s + d."""
+    3w and the activation's (gated_product_elements of I_e: 4I_e for SwiGLU), the shared expert's of I_s;
+    LatentMoE: the up projection's input w, and with latent_norm the norm's input w and inverse RMS (fp32).
+    selective: router E, per assignment 2I_e + w, shared 2I_s + d; LatentMoE: its projections' outputs w + d."""
     moe, d = cfg.moe, cfg.d_model
     k, shared = moe.top_k, moe.n_shared_experts * moe.moe_inter
+    latent = moe.latent_dim is not None
+    w = moe.latent_dim if latent else d
     if mode == "selective":
-        return Elements(a=k * capacity * (2 * moe.moe_inter + d) + (2 * shared + d if shared else 0),
-                        f=moe.n_routed_experts)
-    return Elements(a=d + k * capacity * (4 * moe.moe_inter + 3 * d) + 4 * shared,
-                    f=moe.n_routed_experts + 8 * k + 1)
+        return Elements(a=k * capacity * (2 * moe.moe_inter + w) + (2 * shared + d if shared else 0)
+                        + (w + d if latent else 0), f=moe.n_routed_experts)
+    routed, shared_act = gated_product_elements(cfg, moe.moe_inter), gated_product_elements(cfg, shared)
+    latent_a = (2 * w if moe.latent_norm else w) if latent else 0
+    latent_f = 1 if latent and moe.latent_norm else 0
+    return Elements(a=d + k * capacity * (routed.a + 3 * w) + shared_act.a + latent_a,
+                    f=moe.n_routed_experts + 8 * k + 1 + k * capacity * routed.f + shared_act.f + latent_f)
 
 
 def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
@@ -303,7 +325,7 @@ def block_elements(cfg: ModelConfig, block: int, mode: str, cuda: bool, seq_len:
         attn = mla_elements(cfg, mode, cuda, seq_len // cp, seq_len)
     else:
         attn = kda_elements(cfg, mode, cuda, cp, seq_len)
-    mlp = moe_elements(cfg, mode, capacity) if cfg.is_moe(block) else swiglu_elements(cfg.d_model, cfg.dense_inter, mode)
+    mlp = moe_elements(cfg, mode, capacity) if cfg.is_moe(block) else gated_mlp_elements(cfg, cfg.dense_inter, mode)
     norms = Elements(f=2) if mode == "none" else Elements()
     return attn + mlp + norms
 

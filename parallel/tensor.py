@@ -6,7 +6,8 @@ rank's slice of the sequence, so each rank stores N*T/tp*d block elements. The t
 dense MLP are the tensor-parallel regions: their input is all-gathered along the sequence, they run
 on H/tp heads (inter/tp channels) with column-parallel input projections and a row-parallel output
 projection, and their partial output is reduce-scattered back onto the sequence slices, where the
-depth merge and the partial-sum update are local. The MoE runs on the rank's own tokens.
+depth merge and the partial-sum update are local. The MoE runs on the rank's own tokens, whole: its
+router, experts, shared experts and LatentMoE's latent projections are replicated over tp.
 
 Parameters stay plain tensors. A sharded one holds its slice (its heads); a replicated one holds a
 full copy whose gradient is a partial sum over the group (each rank saw other tokens or other heads),
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from model.decoder import Decoder
 from model.kda import KimiDeltaAttention
 from model.mla import MultiHeadLatentAttention
-from model.mlp import SwiGLU
+from model.mlp import GatedMLP
 from model.moe import MoE
 from parallel.compat import all_gather_autograd, reduce_scatter_autograd
 from parallel.dims import Layout
@@ -64,7 +65,7 @@ TP_SPLITS: dict[type[nn.Module], dict[str, int]] = {
     KimiDeltaAttention: {"q_proj": 0, "k_proj": 0, "v_proj": 0, "b_proj": 0, "f_proj.1": 0, "g_proj.1": 0,
                          "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0, "A_log": 0, "dt_bias": 0, "o_proj": 1},
     MultiHeadLatentAttention: {"q_proj": 0, "kv_b_proj": 0, "o_proj": 1},
-    SwiGLU: {"gate_proj": 0, "up_proj": 0, "down_proj": 1},
+    GatedMLP: {"gate_proj": 0, "up_proj": 0, "down_proj": 1},
 }
 
 
@@ -139,7 +140,7 @@ def apply_tensor_parallel(model: Decoder, layout: Layout) -> None:
         _shard(block.attn, prefix + "attn.", rank, tp)
         block.attn.n_heads //= tp
         _region(block.attn, group)
-        if isinstance(block.mlp, SwiGLU):
+        if isinstance(block.mlp, GatedMLP):
             _shard(block.mlp, prefix + "mlp.", rank, tp)
             _region(block.mlp, group)
 

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kernels.select import IMPLS, triton_refusal
 from model.config import VARIANTS, ModelConfig, ResidualConfig
 from model.init import INIT_SCHEMES
+from model.mlp import ACTIVATIONS
 from model.params import config_counts
 from parallel.compat import context_parallel_refusal
 from parallel.dims import PRECISIONS, Degrees
@@ -192,6 +193,7 @@ CHOICES = {
     "variant.mixing": ("attention", "static", "scalars"),
     "model.kernel_impl": IMPLS,
     "model.init": INIT_SCHEMES,
+    "model.moe.activation": ACTIVATIONS,
     "optim.name": ("adamw", "muon"),
     "train.schedule": ("wsd", "cosine"),
     "train.activation_checkpointing": ("none", "full", "selective"),
@@ -378,6 +380,33 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(str(error)) from None
 
 
+def _validate_moe_options(moe) -> None:
+    """The MoE's release options (model.moe.*): grouped top-k, SiTU's betas, LatentMoE's width."""
+    experts, groups = moe.n_routed_experts, moe.n_expert_groups
+    if groups < 1 or experts % groups:
+        raise ConfigError(f"model.moe.n_expert_groups={groups} must be a positive divisor of "
+                          f"model.moe.n_routed_experts={experts}")
+    if not 1 <= moe.topk_groups <= groups:
+        raise ConfigError(f"model.moe.topk_groups={moe.topk_groups} must be in [1, model.moe.n_expert_groups={groups}]")
+    per_group = experts // groups
+    if moe.topk_groups < groups and per_group < 2:
+        raise ConfigError(f"model.moe.n_expert_groups={groups} leaves {per_group} expert per group; a group scores "
+                          f"its two best experts, so give it at least 2 (a divisor of {experts} up to {experts // 2})")
+    if moe.top_k > moe.topk_groups * per_group:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} exceeds the {moe.topk_groups * per_group} experts of "
+                          f"model.moe.topk_groups={moe.topk_groups} groups of {per_group}")
+    if not 0 < moe.situ_beta < math.inf:
+        raise ConfigError(f"model.moe.situ_beta={moe.situ_beta!r} must be a positive finite number")
+    if moe.situ_linear_beta is not None and not 0 < moe.situ_linear_beta < math.inf:
+        raise ConfigError(f"model.moe.situ_linear_beta={moe.situ_linear_beta!r} must be a positive finite number or "
+                          "null (SiTU's up projection left unbounded)")
+    if moe.latent_dim is not None and moe.latent_dim < 1:
+        raise ConfigError(f"model.moe.latent_dim={moe.latent_dim} must be a positive width or null (the routed "
+                          "experts in model.d_model)")
+    if moe.latent_norm and moe.latent_dim is None:
+        raise ConfigError("model.moe.latent_norm=true normalises LatentMoE's latent; set model.moe.latent_dim too")
+
+
 def check_values(cfg: Config) -> Config:
     """The checks of a config that need only its values: choices, ranges, and settings that must agree."""
     _validate_paths(cfg)
@@ -407,6 +436,7 @@ def check_values(cfg: Config) -> Config:
             f"(got query={r.query}, mixing={r.mixing}, window={r.window}); set variant.two_phase=false")
     if m.moe.top_k > m.moe.n_routed_experts:
         raise ConfigError(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.n_routed_experts={m.moe.n_routed_experts}")
+    _validate_moe_options(m.moe)
     if not 0 <= m.n_dense_layers <= m.n_blocks:
         raise ConfigError(f"model.n_dense_layers={m.n_dense_layers} must be in [0, model.n_blocks={m.n_blocks}]")
     t = cfg.train

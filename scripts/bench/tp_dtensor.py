@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from model.mlp import SwiGLU
+from model.mlp import GatedMLP
 from parallel.dims import Degrees, build_layout, init_distributed
 from parallel.tensor import _region, _shard, local_sequence  # the hand-written region itself
 from scripts.bench.common import interleaved, seconds, spread
@@ -37,7 +37,7 @@ class Args:
     repeats: int = key(3, "timed rounds, ours and DTensor interleaved")
 
 
-def dtensor_swiglu(mlp: SwiGLU, mesh) -> SwiGLU:
+def dtensor_swiglu(mlp: GatedMLP, mesh) -> GatedMLP:
     return parallelize_module(mlp, mesh, {
         "": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "gate_proj": ColwiseParallel(),
@@ -46,7 +46,7 @@ def dtensor_swiglu(mlp: SwiGLU, mesh) -> SwiGLU:
     })
 
 
-def step(mlp: SwiGLU, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def step(mlp: GatedMLP, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     x = x.detach().requires_grad_()
     out = mlp(x)
     out.backward(grad)
@@ -64,8 +64,8 @@ def main(argv: list[str]) -> None:
     layout = build_layout(info, Degrees(tp=tp))
     cfg = load_config([f"model={args.model}"]).model
     torch.manual_seed(0)
-    whole = SwiGLU(cfg.d_model, cfg.dense_inter)
-    ours, theirs = SwiGLU(cfg.d_model, cfg.dense_inter), SwiGLU(cfg.d_model, cfg.dense_inter)
+    whole = GatedMLP(cfg.d_model, cfg.dense_inter)
+    ours, theirs = GatedMLP(cfg.d_model, cfg.dense_inter), GatedMLP(cfg.d_model, cfg.dense_inter)
     ours.load_state_dict(whole.state_dict())
     theirs.load_state_dict(whole.state_dict())
     _shard(ours, "", layout.tp_rank, tp)
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
         errors = [(x_grads[0] - x_grads[1]).abs().max().item()]
         errors += [(a.grad - local(b.grad)).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters())]
 
-        def ms_per_call(mlp: SwiGLU) -> float:
+        def ms_per_call(mlp: GatedMLP) -> float:
             dist.barrier()
             return seconds(lambda: [step(mlp, x, grad) for _ in range(args.iters)]) / args.iters * 1e3
 

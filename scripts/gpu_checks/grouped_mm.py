@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from model.moe import MoE, grouped_swiglu
+from model.moe import MoE, grouped_experts
 from scripts.cli import NoKeys, parse
 from trainer.config import load_config
 
@@ -29,7 +29,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def outputs_and_grads(impl: str, x, counts, weights) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_() for t in (x, *weights)]
-    y = grouped_swiglu(leaves[0], counts, *leaves[1:], impl=impl)
+    y = grouped_experts(leaves[0], counts, *leaves[1:], impl=impl)
     y.backward(torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y).to(y.dtype))
     return [y.detach(), *(leaf.grad for leaf in leaves)]
 

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig, MoEConfig
 from model.init import init_stds, initialise
-from model.mlp import SwiGLU
-from model.moe import MoE, choose_expert_impl, grouped_swiglu, padded_rows
+from model.mlp import GatedMLP
+from model.moe import MoE, choose_expert_impl, grouped_experts, padded_rows
 
 
 def make_moe(d=8, experts=4, top_k=2, inter=6, shared=1, scale=1.0, rate=1e-3, aux=0.0, seed=0) -> MoE:
@@ -137,7 +137,7 @@ def test_gradients_reach_router_experts_and_shared():
 
 def test_shared_expert_is_swiglu():
     torch.manual_seed(0)
-    mlp = SwiGLU(8, 12)
+    mlp = GatedMLP(8, 12)
     initialise(mlp, init_stds("flat", 0.3, d_model=8, n_sublayers=2), seed=0)
     x = torch.randn(5, 8)
     expected = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
@@ -180,7 +180,7 @@ def expert_rows(counts, d=16, seed=0):
 
 def outputs_and_grads(impl, x, counts, weights):
     leaves = [t.clone().requires_grad_() for t in (x, *weights)]
-    y = grouped_swiglu(leaves[0], counts, *leaves[1:], impl=impl)
+    y = grouped_experts(leaves[0], counts, *leaves[1:], impl=impl)
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     # With no rows the loop leaves the weights out of the graph (grad None); the grouped path gives zeros.
     return [y.detach(), *(torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in leaves)]
