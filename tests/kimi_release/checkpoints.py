@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from . import mxfp4
 from .reference import is_moe_layer, mixer_kinds, text_config
-from .tokenizer_files import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tiktoken_files, write_tokenizer_json
+from .tokenizer_files import BOS_ID, EOS_ID, NUM_BASE, PAD_ID, VOCAB_SIZE, write_tiktoken_files, write_tokenizer_json
 
 EXPERT_WEIGHT = re.compile(r".*\.experts\.\d+\.w[123]\.weight$")
 # The stored dtype is bf16 except for names ending in one of these.
@@ -63,7 +63,7 @@ def kimi_linear_config() -> dict:
         "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
         "kv_lora_rank": 16, "linear_attn_config": linear, "mla_use_nope": True, "model_max_length": 1048576,
         "model_type": "kimi_linear", "moe_intermediate_size": 32, "moe_layer_freq": 1, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "num_attention_heads": 2, "num_expert_group": 2, "num_experts": 8,
+        "moe_router_activation_func": "sigmoid", "num_attention_heads": 2, "num_expert_group": 1, "num_experts": 8,
         "num_experts_per_token": 2, "num_hidden_layers": 5, "num_key_value_heads": 2, "num_nextn_predict_layers": 0,
         "num_shared_experts": 1, "pad_token_id": PAD_ID, "q_lora_rank": None, "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 4, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0,
@@ -105,8 +105,8 @@ def kimi_k3_text_config() -> dict:
         "kv_lora_rank": 16, "latent_moe_use_norm": True, "linear_attn_config": linear,
         "max_position_embeddings": 1048576, "mla_use_nope": True, "mla_use_output_gate": True,
         "model_type": "kimi_linear", "moe_intermediate_size": 32, "moe_layer_freq": 1, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "num_attention_heads": 2, "num_expert_group": 2, "num_experts": 16,
-        "num_experts_per_token": 4, "num_hidden_layers": 6, "num_key_value_heads": 2, "num_nextn_predict_layers": 0,
+        "moe_router_activation_func": "sigmoid", "num_attention_heads": 4, "num_expert_group": 2, "num_experts": 16,
+        "num_experts_per_token": 4, "num_hidden_layers": 6, "num_key_value_heads": 4, "num_nextn_predict_layers": 0,
         "num_shared_experts": 2, "pad_token_id": PAD_ID, "q_lora_rank": 24, "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 4, "quantization_config": mxfp4.quantization_config(), "rms_norm_eps": 1e-5,
         "routed_expert_hidden_size": 32, "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1,
@@ -254,16 +254,12 @@ def initial_value(name: str, shape: tuple, cfg: dict, release: str, generator: t
         return 0.5 * randn()
     if name.endswith("embed_tokens.weight"):
         return randn()
-    gain = 1.0
-    if name.endswith(("lm_head.weight", "gate.weight", "gate_proj.weight")):
-        gain = 2.0
-    elif name.endswith("up_proj.weight") and "routed_expert" not in name:
-        gain = 3.0
-    elif name.endswith("q_a_proj.weight"):
-        gain = 0.03
+    gain = {"gate.weight": 2.0, "q_a_proj.weight": 0.03}.get(name.rsplit(".", 2)[-2] + ".weight", 1.0)
     value = gain * randn() / math.sqrt(math.prod(shape[1:]))
     if name.endswith("kv_a_proj_with_mqa.weight"):
         value[:cfg["kv_lora_rank"]] *= 0.03  # the latent rows; the shared k_pe rows keep unit gain
+    if name.endswith("lm_head.weight"):
+        value[NUM_BASE:] *= 0.25  # special tokens seldom win, so that greedy decoding writes text
     return value
 
 

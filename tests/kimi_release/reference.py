@@ -250,13 +250,14 @@ def depth_read(sources: list[torch.Tensor], norm_weight: torch.Tensor, query: to
 
 
 class ReleaseReference:
-    """logits(ids) and greedy(ids, n) of a released Kimi text model, in fp32."""
+    """logits(ids) and greedy(ids, n) of a released Kimi text model, in fp32 (or `dtype`: float64 tells rounding
+    from a real difference)."""
 
-    def __init__(self, config: dict, state: dict[str, torch.Tensor]):
+    def __init__(self, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         self.release = release_of(config)
         self.cfg = text_config(config)
         prefix = weight_prefix(config)
-        self.w = {name[len(prefix):]: tensor.float() for name, tensor in state.items() if name.startswith(prefix)}
+        self.w = {name[len(prefix):]: tensor.to(dtype) for name, tensor in state.items() if name.startswith(prefix)}
         self.kinds = mixer_kinds(self.cfg)
 
     def token_mixer(self, layer: int, x: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def test_a_checkpoint_reads_back_as_written_and_gives_finite_logits(checkpoint):
     assert all(torch.equal(text[name].float(), value) for name, value in checkpoint.state.items())
     logits = ReleaseReference(config, state).logits(PROMPT)
     assert logits.shape == (2, 8, config.get("text_config", config)["vocab_size"]) and logits.isfinite().all()
-    assert logits.std() > 1.0  # not degenerate: the tokens are told apart
+    assert logits.std() > 0.5  # not degenerate: the tokens are told apart
 
 
 def test_the_k3_directory_holds_what_an_importer_must_cope_with(kimi_k3):
