@@ -321,7 +321,9 @@ class MoE(nn.Module):
         x_sorted = routed_in[token_of]  # (N*k, w)
 
         y_sorted = self.run_experts(x_sorted, counts) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)  # (N*k, w)
-        y = torch.zeros_like(routed_in).index_add_(0, token_of, y_sorted)  # (N, w)
+        # Summed in y_sorted's dtype, the stream's (fp32 under autocast, as the release sums in fp32), even
+        # where LatentMoE's rows came out of its down projection in bf16.
+        y = y_sorted.new_zeros(routed_in.shape[0], y_sorted.shape[-1]).index_add_(0, token_of, y_sorted)  # (N, w)
         if self.routed_expert_up_proj is not None:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

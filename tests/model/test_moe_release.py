@@ -165,6 +165,22 @@ def test_latent_moe_without_norm_projects_the_sum_straight_up():
     assert not torch.allclose(out, moe.shared(x))
 
 
+def test_latent_moe_under_bf16_autocast_sums_the_latent_in_fp32():
+    """The experts and projections run in bf16 under CPU autocast; their weighted sum is taken in the stream's
+    fp32 (the release sums in fp32 too) before the latent norm. Measured 1.2-1.6 u from fp32 over 5 seeds."""
+    moe = make_moe(activation="situ", latent_dim=6, latent_norm=True)
+    sums = []
+    moe.routed_expert_norm.register_forward_hook(lambda module, args, out: sums.append(args[0].dtype))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    want = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe(x)
+    got.float().sum().backward()
+    assert sums == [torch.float32, torch.float32]
+    assert ((got.float() - want).norm() / want.norm()).item() < 4 * torch.finfo(torch.bfloat16).eps / 2
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in [x, *moe.parameters()])
+
+
 def route(moe, logits: list[list[float]], bias: list[float]):
     """Route tokens whose router logits are `logits` (x = the logits, router = identity)."""
     with torch.no_grad():
