@@ -2,7 +2,8 @@
 
 Terms, each per token of a training sequence of length T:
   matmul  6 * N_active: every activated weight does one multiply-add forward and two backward.
-          N_active excludes the embedding table (a lookup) and counts routed experts as top_k / E.
+          N_active excludes the embedding table (a lookup) and counts routed experts as top_k / E (in
+          LatentMoE's latent width, whose down and up projections every token runs).
   mla     causal softmax attention: QK^T and AV over T/2 keys on average, per head
           2 * (qk_dim + v_dim) * T / 2 forward.
   kda     the delta-rule state of K x K per head: decay, read k^T S, write k v^T and output S^T q are
@@ -11,7 +12,8 @@ Terms, each per token of a training sequence of length T:
   depth   the residual read: AttnRes scores and mixes n sources of width d (2d + 2d forward each, the
           key norms are per block and counted once); mHC reads m streams, mixes m x m and writes m
           streams ((4m + 2m^2) d forward). The baseline's add is O(d) and counted as 0.
-Element-wise work (norms, activations, softmax exponentials) is left out, as in 6ND.
+Element-wise work (norms, activations, SiTU's tanh and sigmoids included, softmax exponentials) is left
+out, as in 6ND.
 """
 from __future__ import annotations
 
