@@ -11,6 +11,12 @@ class KDAConfig:
     head_dim: int = 64          # d_k = d_v per head
     conv_kernel: int = 4        # depthwise causal short convolution on q, k, v
     chunk_size: int = 64        # chunkwise (WY/UT) training form
+    gate_lower_bound: float | None = None  # forget gate (log decay) g = lb * sigmoid(exp(A_log) * (f + dt_bias)),
+                                           # in (lb, 0), as K3 (fla's lower-bounded gate); None: Kimi Linear's
+                                           # unbounded -exp(A_log) * softplus(f + dt_bias)
+    full_rank_output_gate: bool = False    # output gate g_proj: one d -> H*K Linear (K3's use_full_rank_gate);
+                                           # false: low rank through head_dim. The forget gate stays low rank
+    output_gate_bias: bool = True          # a bias on the output gate's last Linear (the released models have none)
 
 
 @dataclass
@@ -19,6 +25,11 @@ class MLAConfig:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16  # shared across heads, never rotated (NoPE)
     v_head_dim: int = 32
+    q_lora_rank: int | None = None  # queries through a normalised rank-r latent (q_a_proj, q_a_layernorm, q_b_proj),
+                                    # as K3; None: one q_proj, as Kimi Linear
+    output_gate: bool = False       # attention output * sigmoid(g_proj(x)) per head channel before o_proj (K3)
+    latent_norm_eps: float | None = None  # eps of the kv (and q) latent norms; None: model.norm_eps. The release's
+                                          # HF code uses 1e-6 there, vLLM the config's rms_norm_eps
 
 
 @dataclass
@@ -72,6 +83,8 @@ class ModelConfig:
     dense_inter: int = 1024         # SwiGLU width of the dense layer(s)
     n_dense_layers: int = 1         # first blocks use dense SwiGLU instead of MoE
     mla_every: int = 4              # 3 KDA : 1 MLA; the last block is always MLA
+    mla_layers: list[int] | None = None  # the MLA blocks, 0-based (the HF config's full_attn_layers less one);
+                                         # the others are KDA. None: mla_every decides
     norm_eps: float = 1e-5
     init: str = "scaled"            # scaled (embedding std 1, output projections / sqrt(L), head d^-0.5) | flat (all
                                     # init_std; model/init.py)
@@ -92,7 +105,15 @@ class ModelConfig:
         return init_stds(self.init, self.init_std, self.d_model, self.n_sublayers)
 
     def is_mla(self, block: int) -> bool:
+        if self.mla_layers is not None:
+            return block in self.mla_layers
         return block == self.n_blocks - 1 or (block + 1) % self.mla_every == 0
+
+    @property
+    def n_mla_blocks(self) -> int:
+        if self.mla_layers is not None:
+            return len(self.mla_layers)
+        return -(-self.n_blocks // self.mla_every)  # every mla_every-th block, and the last one
 
     def is_moe(self, block: int) -> bool:
         return block >= self.n_dense_layers

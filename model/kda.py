@@ -3,7 +3,8 @@
 q, k, v pass through a depthwise causal short convolution and SiLU; q and k are L2-normalised per
 head. A gated delta rule with a per-channel decay mixes tokens (kernels/kda), and the result is
 RMS-normalised per head and gated by a sigmoid before the output projection. Parameter names follow
-flash-linear-attention's KDA layer so checkpoints map one to one. With document_starts (model/document_masking.py)
+flash-linear-attention's KDA layer so checkpoints map one to one. K3's options (model.kda): the forget gate
+bounded below (`forget_gate`), the output gate one full-rank Linear, and no bias on it. With document_starts (model/document_masking.py)
 the convolution and the recurrent state restart at every document start. With a `sequence_split`
 (model/sequence_split.py) x is one slice of the sequence: the convolution continues from the previous
 slice's last inputs and the recurrence from the state the earlier slices leave.
@@ -58,6 +59,20 @@ def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
+def forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                lower_bound: float | None) -> torch.Tensor:
+    """The per-channel log decay g (B, T, H, K), in fp32, from the forget gate's projection f (B, T, H*K):
+    Kimi Linear's -exp(A_log) * softplus(f + dt_bias), in (-inf, 0); with a lower bound lb (K3, fla's
+    lower-bounded gate) lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0). A_log (H,): one rate per head."""
+    B, T, _ = f.shape
+    H = A_log.shape[0]
+    shifted = f.float() + dt_bias.float()  # (B, T, H*K)
+    if lower_bound is None:
+        dt = F.softplus(shifted).view(B, T, H, -1)  # (B, T, H, K)
+        return -A_log.float().exp().view(H, 1) * dt
+    return lower_bound * torch.sigmoid(A_log.float().exp().view(H, 1) * shifted.view(B, T, H, -1))  # (B, T, H, K)
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -77,28 +92,39 @@ class KimiDeltaAttention(nn.Module):
         self.v_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)  # delta-rule strength beta, per head
 
-        # Per-channel decay g = -exp(A_log) * softplus(f_proj(x) + dt_bias): low rank through K.
+        # Per-channel decay g = forget_gate(f_proj(x), A_log, dt_bias, gate_lower_bound): low rank through K.
         self.f_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=False))
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.gate_lower_bound = cfg.kda.gate_lower_bound
 
-        # Output gate, low rank through K, applied after a per-head RMSNorm shared by all heads.
-        self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=True))
+        # Output gate, low rank through K (or full rank), applied after a per-head RMSNorm shared by all heads.
+        bias = cfg.kda.output_gate_bias
+        if cfg.kda.full_rank_output_gate:
+            self.g_proj = nn.Linear(d, H * K, bias=bias)
+        else:
+            self.g_proj = nn.Sequential(nn.Linear(d, K, bias=False), nn.Linear(K, H * K, bias=bias))
         self.o_norm = RMSNorm(K, cfg.norm_eps, cfg.kernel_impl)
         self.o_proj = nn.Linear(H * K, d, bias=False)
         self.sequence_split: SequenceSplit | None = None
 
     def init_weights(self, stds: InitStds) -> None:
         """Projections from the input at the hidden std, o_proj at the output std; the short convolutions
-        keep PyTorch's default (as fla's ShortConvolution); decay rates and time steps spread per head."""
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.f_proj, *self.g_proj):
+        keep PyTorch's default (as fla's ShortConvolution); decay rates and time steps spread per head. Under
+        a lower-bounded gate every head's rate starts at exp(0) = 1, as fla's safe_gate layer starts."""
+        gates = list(self.g_proj) if isinstance(self.g_proj, nn.Sequential) else [self.g_proj]
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.f_proj, *gates):
             nn.init.normal_(proj.weight, std=stds.hidden)
-        nn.init.zeros_(self.g_proj[1].bias)
+        if gates[-1].bias is not None:
+            nn.init.zeros_(gates[-1].bias)
         nn.init.normal_(self.o_proj.weight, std=stds.output)
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             conv.reset_parameters()
         with torch.no_grad():
-            self.A_log.uniform_(A_MIN, A_MAX).log_()
+            if self.gate_lower_bound is None:
+                self.A_log.uniform_(A_MIN, A_MAX).log_()
+            else:
+                self.A_log.zero_()
             log_dt = torch.rand_like(self.dt_bias) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)
             self.dt_bias.copy_(_inverse_softplus(log_dt.exp().clamp(min=DT_FLOOR)))
 
@@ -146,8 +172,7 @@ class KimiDeltaAttention(nn.Module):
         k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6)  # (B, T, H, K)
         v = v.view(B, T, H, K)  # (B, T, H, V)
         beta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
-        dt = F.softplus(self.f_proj(x).float() + self.dt_bias.float()).view(B, T, H, K)  # (B, T, H, K)
-        g = -self.A_log.float().exp().view(H, 1) * dt  # (B, T, H, K), log decay <= 0
+        g = forget_gate(self.f_proj(x), self.A_log, self.dt_bias, self.gate_lower_bound)  # (B, T, H, K), log decay <= 0
 
         if split is not None:
             o = kda_chunk_from_unknown_start(q, k, v, g, beta, self.scale, self.chunk_size, split.start_state,

@@ -1,5 +1,7 @@
 """Multi-head latent attention as in Kimi Linear: NoPE (nothing is rotated), no query compression,
-and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. With
+and a decode cache that holds only the normalised kv latent plus the shared "rope" slice. K3's options:
+the queries through a normalised latent of rank mla.q_lora_rank (q_a_proj, q_a_layernorm, q_b_proj) and an
+output gate (mla.output_gate: the heads' outputs times sigmoid(g_proj(x)), x the layer's input). With
 document_starts (model/document_masking.py) the causal mask is block-diagonal: a query sees its own document. With a
 `sequence_split` (model/sequence_split.py) x is one slice of the sequence: queries are scored in pieces that
 balance the causal work across the slices' processes, over keys recomputed from every slice's kv latent."""
@@ -49,15 +51,25 @@ class MultiHeadLatentAttention(nn.Module):
         qk_dim = self.nope_dim + self.rope_dim
         self.scale = qk_dim ** -0.5
 
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * qk_dim, bias=False)
+        latent_eps = cfg.norm_eps if mla.latent_norm_eps is None else mla.latent_norm_eps
+        self.q_lora_rank = mla.q_lora_rank
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.d_model, self.n_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.d_model, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, latent_eps, cfg.kernel_impl)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.n_heads * qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(cfg.d_model, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps, cfg.kernel_impl)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, latent_eps, cfg.kernel_impl)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(cfg.d_model, self.n_heads * self.v_dim, bias=False) if mla.output_gate else None
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.d_model, bias=False)
         self.sequence_split: SequenceSplit | None = None
 
     def init_weights(self, stds: InitStds) -> None:
-        for proj in (self.q_proj, self.kv_a_proj, self.kv_b_proj):
+        queries = (self.q_proj,) if self.q_lora_rank is None else (self.q_a_proj, self.q_b_proj)
+        gate = () if self.g_proj is None else (self.g_proj,)
+        for proj in (*queries, self.kv_a_proj, self.kv_b_proj, *gate):
             nn.init.normal_(proj.weight, std=stds.hidden)
         nn.init.normal_(self.o_proj.weight, std=stds.output)
 
@@ -80,13 +92,13 @@ class MultiHeadLatentAttention(nn.Module):
                              "it takes no decoding cache")
         if document_starts is not None:
             check_document_starts(document_starts, B, T, cache, "MultiHeadLatentAttention")
-        q = self.q_proj(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
+        q = self._queries(x).view(B, T, H, self.nope_dim + self.rope_dim)  # (B, T, H, nope+rope)
         kv_a = self.kv_a_proj(x)  # (B, T, rank + rope)
         latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, rank), (B, T, rope)
         latent = self.kv_a_norm(latent)
 
         if split is not None:
-            return self.o_proj(self._split_attention(split, q, latent, k_rope, document_starts))
+            return self._output(x, self._split_attention(split, q, latent, k_rope, document_starts))
         past = 0
         if cache is not None:
             past = cache.length
@@ -99,7 +111,20 @@ class MultiHeadLatentAttention(nn.Module):
             mask = same_document_causal_mask(document_starts)  # (B, 1, T, T)
         elif past > 0:
             mask = torch.arange(S, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)  # (T, S)
-        return self.o_proj(self._attend(q, k, v, mask))
+        return self._output(x, self._attend(q, k, v, mask))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) -> the queries (B, T, H*(nope+rope))."""
+        if self.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _output(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (B, T, H*v), gated by the layer's input x (B, T, d) where mla.output_gate is on,
+        -> (B, T, d)."""
+        if self.g_proj is not None:
+            heads = heads * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(heads)
 
     def _keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The normalised latents (B, S, rank) and shared slices (B, S, rope) -> keys (B, S, H, nope+rope) and

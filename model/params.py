@@ -47,14 +47,19 @@ def _kda(cfg: ModelConfig) -> int:
     projections = 3 * d * HK + d * H + HK * d              # q, k, v, b (beta), o
     convolutions = 3 * HK * W                              # depthwise: one kernel per channel
     decay = d * K + K * HK + H + HK                        # f_proj (two Linears), A_log, dt_bias
-    gate = d * K + K * HK + HK + K                         # g_proj (the second Linear has a bias), o_norm
-    return projections + convolutions + decay + gate
+    gate = d * HK if cfg.kda.full_rank_output_gate else d * K + K * HK  # g_proj: one Linear or two through K
+    gate_bias = HK if cfg.kda.output_gate_bias else 0      # on g_proj's last Linear
+    return projections + convolutions + decay + gate + gate_bias + K  # o_norm
 
 
 def _mla(cfg: ModelConfig) -> int:
     d, H, m = cfg.d_model, cfg.n_heads, cfg.mla
-    return (d * H * (m.qk_nope_head_dim + m.qk_rope_head_dim) + d * (m.kv_lora_rank + m.qk_rope_head_dim)
-            + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim) + H * m.v_head_dim * d)
+    queries = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    # q_proj, or q_a_proj, q_a_layernorm and q_b_proj
+    query = d * queries if m.q_lora_rank is None else d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * queries
+    gate = d * H * m.v_head_dim if m.output_gate else 0    # g_proj
+    return (query + d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+            + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim) + gate + H * m.v_head_dim * d)
 
 
 def _reads(cfg: ModelConfig) -> int:
@@ -79,7 +84,7 @@ def _reads(cfg: ModelConfig) -> int:
 
 def config_counts(cfg: ModelConfig) -> ConfigCounts:
     d, n, moe = cfg.d_model, cfg.n_blocks, cfg.moe
-    n_mla = -(-n // cfg.mla_every)                         # every mla_every-th block, and the last one
+    n_mla = cfg.n_mla_blocks
     n_moe = n - cfg.n_dense_layers
     E, inter = moe.n_routed_experts, moe.moe_inter
     width = d if moe.latent_dim is None else moe.latent_dim  # the routed experts' (LatentMoE: the latent)

@@ -180,18 +180,20 @@ class Elements:
 def kda_elements(cfg: ModelConfig, mode: str, cuda: bool, cp: int = 1, seq_len: int = 0) -> Elements:
     """KDA, H heads of K, HK = H*K, chunk C (none = saved for backward; selective = matmul outputs).
     none: input d; q/k/v padded conv inputs 3HK, conv outputs 3HK, SiLU of q, k 2HK; decay input and
-    softplus 2HK (fp32); gate sigmoid, o_norm products, reshape 4HK; low-rank mids 2K; norms, beta 6H.
+    softplus 2HK (fp32; the lower-bounded gate's input and sigmoid alike); gate sigmoid, o_norm products,
+    reshape 4HK; low-rank mids 2K (K with the full-rank output gate); norms, beta 6H.
     Chunk form, CPU reference: 16HK + 4HC (grams, the triangular system) + HK^2/C (per-chunk states);
     CUDA fla chunk_kda: q, k casts and v 3HK, g HK and its two C x C matrices 2HC in fp32.
-    selective: q/k/v/b/f/g projections 5HK + 2K + H, o_proj d; CPU chunk matmuls 3HK + 2HC + HK^2/C.
+    selective: q/k/v/b/f/g projections 5HK + mids + H, o_proj d; CPU chunk matmuls 3HK + 2HC + HK^2/C.
     cp > 1 adds `kda_context_elements` (seq_len: the whole sequence's tokens)."""
     d, H, K, C = cfg.d_model, cfg.n_heads, cfg.kda.head_dim, cfg.kda.chunk_size
     HK = H * K
+    mids = K if cfg.kda.full_rank_output_gate else 2 * K  # the low-rank projections' outputs of width K
     if mode == "selective":
-        base = Elements(a=5 * HK + 2 * K + H + d)
+        base = Elements(a=5 * HK + mids + H + d)
         chunk = Elements() if cuda else Elements(a=3 * HK + 2 * H * C + HK * K / C)
     else:
-        base = Elements(a=d + 8 * HK + 4 * HK + 2 * K, f=2 * HK + 6 * H)
+        base = Elements(a=d + 8 * HK + 4 * HK + mids, f=2 * HK + 6 * H)
         chunk = Elements(a=3 * HK, f=HK + 2 * H * C) if cuda else Elements(f=16 * HK + 4 * H * C + HK * K / C)
     return base + chunk + (kda_context_elements(cfg, mode, cuda, cp, seq_len) if cp > 1 else Elements())
 
@@ -230,17 +232,21 @@ def mla_elements(cfg: ModelConfig, mode: str, cuda: bool, queries: int, keys: in
     output H(n+v) on CUDA; CPU math SDPA keeps its causal probabilities H*keys per query, CUDA flash the
     log-sum-exp H. Keys beyond the queries' own slice came through cp's all-gather: per key its latent
     + rope r+p (kv_b_proj's input; the selective policy saves the gather's output, the same size).
+    Options: a query LoRA of rank r_q adds its latent, normalised like the kv latent, 3r_q + 1; the output
+    gate its sigmoid and the gated heads 2Hv.
     selective: projections H(n+p) + r+p + H(n+v) per key + o_proj d, attention output Hv (+ H*keys scores
-    on CPU)."""
+    on CPU); q_a_proj's r_q and g_proj's Hv where present."""
     m, d, H = cfg.mla, cfg.d_model, cfg.n_heads
     n, p, r, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+    q_rank, gated = m.q_lora_rank or 0, H * v if m.output_gate else 0
     keys = queries if keys is None else keys
     per_query = keys / queries  # a key-side tensor's elements per query token
     gathered = r + p if keys > queries else 0
     if mode == "selective":
-        return Elements(a=H * (n + p) + r + p + per_query * (H * (n + v) + gathered) + H * v + d
+        return Elements(a=H * (n + p) + r + p + per_query * (H * (n + v) + gathered) + H * v + d + q_rank + gated
                         + (0 if cuda else H * keys), f=H if cuda else 0)
-    query_side = Elements(a=d + r + p + 2 * r + H * (n + p) + H * v, f=1)
+    query_side = Elements(a=d + r + p + 2 * r + H * (n + p) + H * v + 3 * q_rank + 2 * gated,
+                          f=1 + (1 if q_rank else 0))
     if cuda:
         return query_side + Elements(a=per_query * (H * (n + p) + H * (n + v) + gathered), f=H)
     return query_side + Elements(a=per_query * (H * (n + p) + H * v + gathered) + H * keys)

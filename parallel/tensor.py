@@ -58,15 +58,32 @@ def _region(module: nn.Module, group) -> None:
 
 # What tp splits, per module kind: the path of each split weight in the module and the dim it is split along.
 # 0: output features, by head or channel (column-parallel, a bias split with them); 1: input features
-# (row-parallel). KDA's q/k/v, beta, the decay's and the gate's second projections, depthwise convs and
-# per-channel decay parameters are head-major. MLA's kv latent (kv_a_proj, kv_a_norm) is shared by all heads
-# and stays replicated. `apply_tensor_parallel` splits these and the memory planner counts them.
+# (row-parallel). KDA's q/k/v, beta, the decay's second projection, the output gate's last one (g_proj.1
+# of the low-rank gate, g_proj of the full-rank one), depthwise convs and per-channel decay parameters are
+# head-major. MLA's kv latent (kv_a_proj, kv_a_norm) and query latent (q_a_proj, q_a_layernorm) are shared by
+# all heads and stay replicated; its queries (q_proj or q_b_proj) and output gate (g_proj) are head-major.
+# A path the module's options leave without a weight (q_proj under a query LoRA, g_proj.1 of a full-rank
+# gate, the low-rank gate's g_proj container) is skipped. `apply_tensor_parallel` splits these and the
+# memory planner counts them.
 TP_SPLITS: dict[type[nn.Module], dict[str, int]] = {
     KimiDeltaAttention: {"q_proj": 0, "k_proj": 0, "v_proj": 0, "b_proj": 0, "f_proj.1": 0, "g_proj.1": 0,
-                         "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0, "A_log": 0, "dt_bias": 0, "o_proj": 1},
-    MultiHeadLatentAttention: {"q_proj": 0, "kv_b_proj": 0, "o_proj": 1},
+                         "g_proj": 0, "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0, "A_log": 0, "dt_bias": 0,
+                         "o_proj": 1},
+    MultiHeadLatentAttention: {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 0, "g_proj": 0, "o_proj": 1},
     GatedMLP: {"gate_proj": 0, "up_proj": 0, "down_proj": 1},
 }
+
+
+def _split_part(module: nn.Module, path: str) -> nn.Parameter | nn.Module | None:
+    """The parameter, or the Linear or depthwise Conv1d, at `path` in `module`; None where this module's
+    options give it no such weight."""
+    if isinstance(getattr(module, path, None), nn.Parameter):
+        return getattr(module, path)
+    try:
+        part = module.get_submodule(path)
+    except AttributeError:
+        return None
+    return part if isinstance(part, (nn.Linear, nn.Conv1d)) else None
 
 
 def _split_parameters(module: nn.Module) -> list[tuple[nn.Module, str, str, int]]:
@@ -75,10 +92,12 @@ def _split_parameters(module: nn.Module) -> list[tuple[nn.Module, str, str, int]
     splits = next((s for kind, s in TP_SPLITS.items() if isinstance(module, kind)), {})
     out = []
     for path, dim in splits.items():
-        if isinstance(getattr(module, path, None), nn.Parameter):
+        part = _split_part(module, path)
+        if part is None:
+            continue
+        if isinstance(part, nn.Parameter):
             out.append((module, path, path, dim))
             continue
-        part = module.get_submodule(path)
         if dim == 1 and part.bias is not None:
             raise ValueError(f"{path}.bias: a row-parallel linear with a bias would add it tp times")
         out.append((part, "weight", f"{path}.weight", dim))

@@ -439,6 +439,7 @@ def check_values(cfg: Config) -> Config:
     _validate_moe_options(m.moe)
     if not 0 <= m.n_dense_layers <= m.n_blocks:
         raise ConfigError(f"model.n_dense_layers={m.n_dense_layers} must be in [0, model.n_blocks={m.n_blocks}]")
+    _validate_attention_options(m)
     t = cfg.train
     if t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} must be a multiple of train.micro_batch={t.micro_batch}")
@@ -467,6 +468,23 @@ def check_values(cfg: Config) -> Config:
     _validate_retrofit_options(cfg)
     check_numbers(cfg)
     return cfg
+
+
+def _validate_attention_options(m) -> None:
+    """The token mixers' release options (model.mla_layers, model.mla.*, model.kda.*) that may be null."""
+    if m.mla_layers is not None and (len(set(m.mla_layers)) != len(m.mla_layers)
+                                     or not all(isinstance(block, int) and 0 <= block < m.n_blocks
+                                                 for block in m.mla_layers)):
+        raise ConfigError(f"model.mla_layers={list(m.mla_layers)} must list distinct blocks in [0, {m.n_blocks - 1}] "
+                          f"(0-based, model.n_blocks={m.n_blocks}), or be null for model.mla_every")
+    if m.mla.q_lora_rank is not None and m.mla.q_lora_rank < 1:
+        raise ConfigError(f"model.mla.q_lora_rank={m.mla.q_lora_rank} must be a positive rank or null (no query LoRA)")
+    if m.mla.latent_norm_eps is not None and not 0 < m.mla.latent_norm_eps < math.inf:
+        raise ConfigError(f"model.mla.latent_norm_eps={m.mla.latent_norm_eps!r} must be a positive finite number or "
+                          "null (model.norm_eps)")
+    if m.kda.gate_lower_bound is not None and not -math.inf < m.kda.gate_lower_bound < 0:
+        raise ConfigError(f"model.kda.gate_lower_bound={m.kda.gate_lower_bound!r} must be a negative finite number "
+                          "(the released K3 uses -5.0) or null (the unbounded gate)")
 
 
 def _numbers(value: object, key: str):

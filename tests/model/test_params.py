@@ -81,3 +81,27 @@ def test_a_size_beyond_any_memory_still_counts_exactly():
     """Plain integers, no tensors: 2**45 vocabulary entries (13 PB of fp32) count like 8192."""
     difference = config_counts(ModelConfig(vocab_size=2 ** 45)).total - config_counts(ModelConfig()).total
     assert difference == 2 * (2 ** 45 - 8192) * 256  # embedding and head rows of d_model=256
+
+
+# K3's attention options (issue 56), alone and together, over block mixes that an explicit MLA list gives.
+ATTENTION_OPTIONS = [
+    {"mla": {"q_lora_rank": 9}}, {"mla": {"output_gate": True}}, {"kda": {"gate_lower_bound": -5.0}},
+    {"kda": {"full_rank_output_gate": True}}, {"kda": {"output_gate_bias": False}},
+    {"kda": {"full_rank_output_gate": True, "output_gate_bias": False}, "mla": {"q_lora_rank": 3, "output_gate": True},
+     "mla_layers": [0, 2]},
+    {"mla_layers": []}, {"mla_layers": [4, 1, 3]},
+]
+
+
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS, ids=str)
+def test_every_attention_option_counts_as_built(options):
+    kda = KDAConfig(head_dim=6, conv_kernel=3, **options.get("kda", {}))
+    mla = MLAConfig(kv_lora_rank=10, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=5, **options.get("mla", {}))
+    cfg = ModelConfig(vocab_size=37, d_model=24, n_blocks=5, n_heads=2, dense_inter=20, kda=kda, mla=mla,
+                      moe=MoEConfig(n_routed_experts=5, top_k=2, moe_inter=7), mla_layers=options.get("mla_layers"))
+    counts = config_counts(cfg)
+    assert (counts.total, counts.active, counts.state) == built_counts(cfg)
+    if "mla_layers" in options:
+        model = build_model(cfg, device="meta")
+        assert [i for i, block in model.layers.items() if hasattr(block.attn, "kv_b_proj")] == \
+            [str(i) for i in sorted(options["mla_layers"])]

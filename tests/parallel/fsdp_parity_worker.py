@@ -28,7 +28,7 @@ from parallel.engine import build_engine, cross_entropy
 from parallel.gradients import sync_moe_load
 from trainer.config import ParallelConfig, load_config
 from trainer.muon import MatrixSlice, Muon
-from tp_parity_worker import variant_overrides, whole as whole_slice  # torchrun runs this file from its directory
+from tp_parity_worker import RELEASE_ATTENTION, variant_overrides, whole as whole_slice  # run from here
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -38,7 +38,8 @@ CASES = {
         for v, s in (("baseline", 2), ("full", 1), ("block", 2), ("block", 4), ("block", 3), ("mhc", 2))]
        # bf16: FSDP2 gathers bf16 parameters under CPU autocast
        + [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s, "precision": "bf16"} for v, s in (("baseline", 2),
-                                                                                                ("block", 4))],
+                                                                                                ("block", 4))]
+       + [{"dp": 1, "fsdp": 2, "variant": "block", "block_size": 4, "extra": RELEASE_ATTENTION}],  # K3's attention
     # fsdp=2 x tp=2: FSDP shards of tp slices (block_size 4: units of 2 blocks)
     4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}]
        + [{"dp": 1, "fsdp": 2, "tp": 2, "variant": v, "block_size": s} for v, s in (("baseline", 2), ("block", 4))],
@@ -111,7 +112,8 @@ def references(cfg, batches, bf16: bool) -> tuple[torch.nn.Module, torch.Tensor,
 def run_case(case: dict, info: DistInfo) -> dict:
     """`precision` bf16: FSDP2 gathers bf16 parameters (reducing in fp32) under CPU autocast, against one
     process under the same autocast (fp32 parameters; also against one process in fp32, as a scale)."""
-    cfg = load_config(["model=xs", *variant_overrides(case["variant"]), f"variant.block_size={case['block_size']}"])
+    cfg = load_config(["model=xs", *variant_overrides(case["variant"]), f"variant.block_size={case['block_size']}",
+                       *case.get("extra", [])])
     bf16 = case.get("precision") == "bf16"
     autocast = bf16_autocast if bf16 else contextlib.nullcontext
     data_ranks = case["dp"] * case["fsdp"]

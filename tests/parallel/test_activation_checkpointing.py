@@ -13,6 +13,7 @@ from parallel.dims import init_distributed
 from scripts.bench.memory import activation_bytes
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
+from tp_parity_worker import RELEASE_ATTENTION
 
 VARIANTS = {
     "baseline": ["variant=baseline"],
@@ -24,6 +25,7 @@ VARIANTS = {
     "block_size3": ["variant=block", "variant.two_phase=true", "variant.block_size=3"],
     "mhc": ["variant=mhc"],
     "block_aux_loss": ["variant=block", "variant.two_phase=true", "model.moe.aux_loss_coef=0.01"],
+    "release_attention": ["variant=block", "variant.two_phase=true", *RELEASE_ATTENTION],  # K3's token mixers
 }
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
 

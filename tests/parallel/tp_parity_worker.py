@@ -4,7 +4,7 @@ gradients and compares them with its own single-process copy; rank 0 prints one 
 CONTROL lines (replicated gradients not completed over tp; on 2 ranks also the balance loss over each
 rank's slice of the sequences instead of the whole sequence, and cp without KDA's state passing).
 
-    torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2, cp=2
+    torchrun --nproc-per-node 2 tests/parallel/tp_parity_worker.py      # tp=2, dp=2 x ep=2, cp=2 (K3's attention too)
     torchrun --nproc-per-node 4 tests/parallel/tp_parity_worker.py      # tp=2 x pp=2, dp=2 x tp=2 x ep=2, cp=2 x tp=2, fsdp=2 x cp=2, cp=4, dp=2 x cp=2 x ep=2
 """
 import contextlib
@@ -26,6 +26,11 @@ from torch.distributed.tensor import DTensor
 from trainer.config import ParallelConfig, load_config
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
+# K3's attention options (issue 56) all on at model=xs: MLA's query LoRA, output gate and latent norms' eps, KDA's
+# lower-bounded forget gate and full-rank output gate without a bias, an explicit MLA list (blocks 1 and 3).
+RELEASE_ATTENTION = ["model.mla.q_lora_rank=16", "model.mla.output_gate=true", "model.mla.latent_norm_eps=1e-6",
+                     "model.kda.gate_lower_bound=-5.0", "model.kda.full_rank_output_gate=true",
+                     "model.kda.output_gate_bias=false", "model.mla_layers=[1,3]"]
 
 CASES = {
     2: [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": v} for v in ("baseline", "full", "block")]
@@ -37,7 +42,10 @@ CASES = {
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "mhc"}]  # m streams, each sequence-sharded
        # context parallelism: KDA passes state, MLA reads the earlier slices' latents
        + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": v} for v in ("baseline", "full", "block")]
-       + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "aux_loss_coef": 0.1}],
+       + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "aux_loss_coef": 0.1}]
+       # K3's attention options: q_b_proj and both g_proj split by head, the query latent replicated
+       + [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "extra": RELEASE_ATTENTION},
+          {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "extra": RELEASE_ATTENTION}],
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"},
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "cp": 2, "variant": "block"},
@@ -78,7 +86,7 @@ def variant_overrides(variant: str) -> list[str]:
 
 def run_case(case: dict, info: DistInfo) -> dict:
     cfg = load_config(["model=xs", *variant_overrides(case["variant"]), "variant.block_size=2",
-                       f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}"])
+                       f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}", *case.get("extra", [])])
     dp, fsdp, cp = case["dp"], case.get("fsdp", 1), case.get("cp", 1)
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (dp * fsdp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)

@@ -119,13 +119,19 @@ class LastRankOfLocalSplit(ContextSplit):
         return x
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_token_mixers_under_cp_match_the_storage_tracker(cp):
+# K3's token mixers (issue 56): MLA's query LoRA and output gate, KDA's lower-bounded gate and full-rank output gate.
+RELEASE_ATTENTION = ["model.mla.q_lora_rank=192", "model.mla.output_gate=true", "model.kda.gate_lower_bound=-5.0",
+                     "model.kda.full_rank_output_gate=true", "model.kda.output_gate_bias=false"]
+
+
+@pytest.mark.parametrize("cp, options", [(1, []), (2, []), (4, []), (1, RELEASE_ATTENTION), (2, RELEASE_ATTENTION)],
+                         ids=["cp1", "cp2", "cp4", "cp1-release", "cp2-release"])
+def test_token_mixers_under_cp_match_the_storage_tracker(cp, options):
     """What a KDA and an MLA layer keep for backward on the last cp rank (CPU, fp32, model=m), measured
-    op by op (scripts/bench/memory.py's tracker) against kda_elements / mla_elements."""
+    op by op (scripts/bench/memory.py's tracker) against kda_elements / mla_elements; with K3's options too."""
     from model.kda import KimiDeltaAttention
     from model.mla import MultiHeadLatentAttention
-    cfg = load_config(["model=m"]).model
+    cfg = load_config(["model=m", *options]).model
     batch, seq_len = 2, 512
     tokens = batch * seq_len // cp
     planned = {"kda": kda_elements(cfg, "none", False, cp, seq_len),
