@@ -28,7 +28,7 @@ from parallel.engine import build_engine, cross_entropy
 from parallel.gradients import sync_moe_load
 from trainer.config import ParallelConfig, load_config
 from trainer.muon import MatrixSlice, Muon
-from tp_parity_worker import RELEASE_ATTENTION, variant_overrides, whole as whole_slice  # run from here
+from tp_parity_worker import RELEASE_ATTENTION, RELEASE_MOE, variant_overrides, whole as whole_slice  # run from here
 
 MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 
@@ -39,7 +39,8 @@ CASES = {
        # bf16: FSDP2 gathers bf16 parameters under CPU autocast
        + [{"dp": 1, "fsdp": 2, "variant": v, "block_size": s, "precision": "bf16"} for v, s in (("baseline", 2),
                                                                                                 ("block", 4))]
-       + [{"dp": 1, "fsdp": 2, "variant": "block", "block_size": 4, "extra": RELEASE_ATTENTION}],  # K3's attention
+       + [{"dp": 1, "fsdp": 2, "variant": "block", "block_size": 4, "extra": RELEASE_ATTENTION},  # K3's attention
+          {"dp": 1, "fsdp": 2, "variant": "block", "block_size": 4, "extra": RELEASE_MOE}],  # K3's MoE
     # fsdp=2 x tp=2: FSDP shards of tp slices (block_size 4: units of 2 blocks)
     4: [{"dp": 2, "fsdp": 2, "variant": "block", "block_size": 4}]
        + [{"dp": 1, "fsdp": 2, "tp": 2, "variant": v, "block_size": s} for v, s in (("baseline", 2), ("block", 4))],

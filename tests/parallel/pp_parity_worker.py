@@ -17,7 +17,7 @@ from parallel.pipeline.runner import PipelineRunner, build_chunks
 from parallel.pipeline.stage import AddCachedGrad
 from trainer.config import ParallelConfig, load_config
 from fsdp_parity_worker import bf16_autocast, reference_step, relative_error  # torchrun runs from this directory
-from tp_parity_worker import RELEASE_ATTENTION, variant_overrides
+from tp_parity_worker import RELEASE_ATTENTION, RELEASE_MOE, variant_overrides
 
 MICRO_BATCH, SEQ = 2, 12
 
@@ -39,6 +39,9 @@ def cases(pp: int):
     if pp == 2:  # K3's attention options across stages with the cross-stage block cache
         yield {"pp": 2, "vp": 2, "schedule": "interleaved_1f1b", "variant": "block",
                "extra": ["variant.block_size=3", *RELEASE_ATTENTION], "cache": True}
+        # K3's MoE options: the latent projections and norm on both stages
+        yield {"pp": 2, "vp": 1, "schedule": "1f1b", "variant": "block",
+               "extra": ["variant.block_size=3", *RELEASE_MOE], "cache": True}
 
 
 @functools.cache

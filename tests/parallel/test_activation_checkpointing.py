@@ -13,7 +13,7 @@ from parallel.dims import init_distributed
 from scripts.bench.memory import activation_bytes
 from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
-from tp_parity_worker import RELEASE_ATTENTION
+from tp_parity_worker import RELEASE_ATTENTION, RELEASE_MOE
 
 VARIANTS = {
     "baseline": ["variant=baseline"],
@@ -26,6 +26,7 @@ VARIANTS = {
     "mhc": ["variant=mhc"],
     "block_aux_loss": ["variant=block", "variant.two_phase=true", "model.moe.aux_loss_coef=0.01"],
     "release_attention": ["variant=block", "variant.two_phase=true", *RELEASE_ATTENTION],  # K3's token mixers
+    "release_moe": ["variant=block", "variant.two_phase=true", *RELEASE_MOE],  # K3's MoE (SiTU, latent, groups)
 }
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
 

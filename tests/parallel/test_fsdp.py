@@ -43,7 +43,7 @@ def assert_bf16_like_one_process(case: dict) -> None:
     assert case["bf16_vs_fp32"]["grad"] > BF16_U / 16, case  # the reference ran under bf16 autocast
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 9), (4, 3)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 10), (4, 3)])
 def test_one_step_under_fsdp_equals_one_process(nproc, expected_cases, launched):
     lines = {"PIPELINE": [], **report_lines(launched(PARITY[nproc]))}  # CASE, CONTROL, MEMORY, MUON, PIPELINE
     cases, (control,), (usage,) = lines["CASE"], lines["CONTROL"], lines["MEMORY"]

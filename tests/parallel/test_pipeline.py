@@ -42,7 +42,7 @@ def assert_bf16_like_one_process(case: dict) -> None:
     assert comm["measured_bytes_per_token"] == [n * case["d_model"] * 4 for n in comm["vectors_per_token"]], case
 
 
-@pytest.mark.parametrize("pp, expected_cases", [(2, 31), (3, 21)])
+@pytest.mark.parametrize("pp, expected_cases", [(2, 32), (3, 21)])
 def test_one_step_under_pp_equals_one_process(pp, expected_cases, launched):
     report = report_lines(launched(PARITY[pp]))
     cases, (control, aux_control) = report["CASE"], report["CONTROL"]

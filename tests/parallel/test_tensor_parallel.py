@@ -15,7 +15,7 @@ from trainer.trainer import Trainer
 PARITY = {nproc: parity_job("tp_parity_worker", nproc) for nproc in (2, 4)}
 
 
-@pytest.mark.parametrize("nproc, expected_cases", [(2, 13), (4, 9)])
+@pytest.mark.parametrize("nproc, expected_cases", [(2, 15), (4, 9)])
 def test_one_step_under_tp_cp_and_ep_equals_one_process(nproc, expected_cases, launched):
     """Loss, every gradient, the gradient norm and the expert load of one step (the sequence-level balance
     loss included in one tp2 and one cp2 case); negative controls: replicated gradients left incomplete over
@@ -41,6 +41,9 @@ def test_one_step_under_tp_cp_and_ep_equals_one_process(nproc, expected_cases, l
         if case["block_elements"] >= 0:  # sequence-sharded block storage: N*T/(cp*tp)*d per rank
             assert case["block_elements"] == case["block_elements_formula"], case
             assert case["block_elements"] * case["tp"] * case.get("cp", 1) == case["reference_block_elements"], case
+    for case in cases:  # the experts' rows, what ep's all-to-alls carry: LatentMoE's latent, else d_model
+        latent = "model.moe.latent_dim=48" in case.get("extra", [])
+        assert case["dispatched_widths"] == [48 if latent else 96], case
     assert control["grad_error"] > 1e-3, control
 
 

@@ -31,6 +31,10 @@ MICRO_BATCH, SEQ, MICROBATCHES = 2, 16, 2
 RELEASE_ATTENTION = ["model.mla.q_lora_rank=16", "model.mla.output_gate=true", "model.mla.latent_norm_eps=1e-6",
                      "model.kda.gate_lower_bound=-5.0", "model.kda.full_rank_output_gate=true",
                      "model.kda.output_gate_bias=false", "model.mla_layers=[1,3]"]
+# K3's MoE options (issue 56) all on at model=xs: SiTU in every MLP, LatentMoE in half the width with its norm,
+# grouped top-k (2 groups of 2 experts, the better group kept).
+RELEASE_MOE = ["model.moe.activation=situ", "model.moe.latent_dim=48", "model.moe.latent_norm=true",
+               "model.moe.n_expert_groups=2", "model.moe.topk_groups=1"]
 
 CASES = {
     2: [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": v} for v in ("baseline", "full", "block")]
@@ -45,7 +49,11 @@ CASES = {
        + [{"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "aux_loss_coef": 0.1}]
        # K3's attention options: q_b_proj and both g_proj split by head, the query latent replicated
        + [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "extra": RELEASE_ATTENTION},
-          {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "extra": RELEASE_ATTENTION}],
+          {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "cp": 2, "variant": "block", "extra": RELEASE_ATTENTION}]
+       # K3's MoE options: the MoE replicated under tp; under ep the latent rows dispatched, and (skewed) the
+       # second rank's experts idle
+       + [{"dp": 1, "pp": 1, "tp": 2, "ep": 1, "variant": "block", "extra": RELEASE_MOE},
+          {"dp": 2, "pp": 1, "tp": 1, "ep": 2, "variant": "block", "skewed": True, "extra": RELEASE_MOE}],
     4: [{"dp": 1, "pp": 2, "tp": 2, "ep": 1, "variant": v, "vp": 2} for v in ("baseline", "block")]
        + [{"dp": 2, "pp": 1, "tp": 2, "ep": 2, "variant": "block"},
           {"dp": 1, "pp": 1, "tp": 2, "ep": 1, "cp": 2, "variant": "block"},
@@ -67,6 +75,17 @@ def whole(name: str, grad: torch.Tensor, engine) -> torch.Tensor:
     parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, grad.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+class DispatchedWidths:
+    """Wraps a MoE's run_experts (under ep: the all-to-all dispatch) and records the width of the rows sent."""
+
+    def __init__(self, run_experts):
+        self.run_experts, self.widths = run_experts, set()
+
+    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        self.widths.add(x_sorted.shape[-1])
+        return self.run_experts(x_sorted, counts)
 
 
 def skew(model, case: dict):
@@ -111,6 +130,9 @@ def run_case(case: dict, info: DistInfo) -> dict:
     parallel = ParallelConfig(dp=dp, fsdp=fsdp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1), cp=cp)
     torch.manual_seed(0)
     engine = build_engine(skew(build_model(cfg), case), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES)
+    dispatches = [DispatchedWidths(moe.run_experts) for moe in engine.model.moe_layers()]
+    for moe, dispatch in zip(engine.model.moe_layers(), dispatches):
+        moe.run_experts = dispatch
     if case.get("slice_balance_loss"):  # the control: each rank's balance loss over its slice of the sequence
         for moe in engine.model.moe_layers():
             del moe.sequence_totals
@@ -142,7 +164,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
-            "load_error": load_error,
+            "load_error": load_error, "dispatched_widths": sorted(set().union(*(d.widths for d in dispatches))),
             "worst_param": worst_name, "grad_norm_error": result[2].item(), "block_elements": block_elements,
             "reference_block_elements": reference_block_elements,
             "block_elements_formula": (len(state.blocks) * MICRO_BATCH * SEQ // (case["tp"] * cp) * cfg.model.d_model
