@@ -7,10 +7,10 @@ from model.generation import generate, prefill, sample_next
 from trainer.config import load_config
 
 
-def make(variant):
+def make(variant, *overrides):
     """fp32: KDA and the MoE router compute in fp32 whatever the dtype, so fp64 would not be tighter."""
     torch.manual_seed(0)
-    model = build_model(load_config(["model=xs", f"variant={variant}"])).eval()
+    model = build_model(load_config(["model=xs", f"variant={variant}", *overrides])).eval()
     with torch.no_grad():  # non-zero queries, so the depth reads are not uniform
         for name, p in model.named_parameters():
             if name.endswith(".query"):
@@ -21,9 +21,15 @@ def make(variant):
 TOKENS = torch.randint(0, 512, (2, 21), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("variant", ["baseline", "full", "block"])
-def test_incremental_decoding_equals_the_full_forward(variant):
-    model = make(variant)
+# K3's MoE options: decode steps take the gather path (a row per expert at most), the full forward the loop.
+RELEASE_MOE = ["model.moe.activation=situ", "model.moe.latent_dim=48", "model.moe.latent_norm=true",
+               "model.moe.n_expert_groups=2"]
+
+
+@pytest.mark.parametrize("variant, overrides", [("baseline", []), ("full", []), ("block", []), ("block", RELEASE_MOE)],
+                         ids=["baseline", "full", "block", "block-release_moe"])
+def test_incremental_decoding_equals_the_full_forward(variant, overrides):
+    model = make(variant, *overrides)
     with torch.no_grad():
         full = model(TOKENS)
         cache = model.new_inference_cache(2, torch.device("cpu"), torch.float32)
