@@ -5,6 +5,11 @@ from setuptools import find_packages, setup
 # datasets 4 stopped running dataset loading scripts: an include_path task's dataset_path is then data, not code
 # (inference/evaluate.py); lm-eval itself accepts datasets from 2.16.
 EVAL = ["transformers>=5.24,<5.25", "lm-eval>=0.4.13,<0.5", "datasets>=4"]
+# Reading and writing the released Kimi models (trainer/kimi/, inference/kimi/): compressed-tensors dequantises
+# K3's MXFP4 experts (mxfp4-pack-quantized as a format of its own from 0.18; it needs torch >= 2.10 and
+# transformers >= 4.45, so it keeps our torch and transformers), tiktoken reads a release's tiktoken.model for
+# transformers' TikTokenConverter.
+KIMI = ["compressed-tensors>=0.18,<0.21", "tiktoken>=0.7,<1", *EVAL]
 
 setup(
     name="attnres",
@@ -45,8 +50,9 @@ setup(
         # The tests run the Triton kernels on CPU under TRITON_INTERPRET=1 (CI: triton 3.9; 3.6, which torch
         # 2.11's CUDA build pins, by `make compat`), and the evaluation and Hugging Face export tests need
         # the eval extra.
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.0", "triton>=3.6,<4", *EVAL],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.0", "triton>=3.6,<4", *KIMI],
         "eval": EVAL,
+        "kimi": KIMI,
         # CUDA builds of torch bring the triton they were built with; this only bounds it.
         "gpu": ["triton>=3.4,<4", "flash-linear-attention"],
     },

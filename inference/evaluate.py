@@ -3,12 +3,14 @@
     python -m inference.evaluate model=EXPORT_DIR tasks=NAME[,NAME] perplexity=DATASET[,DATASET] out=FILE.json
 
 Tasks run in lm-evaluation-harness (lm_eval) through inference/exported_lm.py; perplexity is measured here.
-Only the export is loaded (model.safetensors + config.json, as inference.generate loads it). Every input is
+Only the export is loaded (model.safetensors + config.json, as inference.generate loads it), or a released Kimi
+checkpoint directory read in place (trainer/kimi/, as inference.generate reads it). Every input is
 checked before the model is loaded: a missing export or dataset, a dataset of another tokenizer, or an
 unknown task name is one `error:` line and exit code 2.
 
 Options (key=value, default after the =; give tasks=, perplexity= or both):
-  model=            (required) an export directory written by python -m inference.export
+  model=            (required) an export directory written by python -m inference.export, or a Kimi release
+                    directory
   tasks=            lm_eval tasks or groups, comma-separated. The local ones live in include_path and need no
                     network: attnres_local, the group of attnres_mc_words (multiple choice) and
                     attnres_gen_words (generation), and attnres_text (perplexity). lm_eval's own
@@ -55,8 +57,8 @@ from model.document_masking import document_starts
 from trainer.config import Config
 from trainer.data import BlendSamples, default_cache_dir, resolve_blend
 from trainer.data.format import MANIFEST_NAME, TOKENIZER_NAME, DataError, sha256_file, verify_dataset
-from inference.export import TOKENIZER_FILE, ExportError, parse_key_values, read_export_config, run_cli
-from inference.generate import GenerateError, export_config, find_export, load_exported_model, load_tokenizer
+from inference.export import parse_key_values, read_export_config, run_cli
+from inference.generate import MODEL_DIR_ERRORS, GenerateError, load_exported_model, open_model_dir
 from inference.exported_lm import ExportedAttnResLM
 from trainer.lm_eval_adapter import AttnResLM, LMEvalError, pick_device
 from trainer.lm_tasks import LOCAL_TASKS, run_tasks, task_manager_for
@@ -436,19 +438,22 @@ def run(args: EvaluateArgs) -> str:
     check_options(args)
     limit, out, device = check_limit(args.limit), check_out(args.out), pick_device(args.device)
     task_names, dataset_names = names_of("tasks", args.tasks), names_of("perplexity", args.perplexity)
-    export_dir = find_export("model", args.model)
-    cfg = export_config(export_dir, None)
-    tokenizer = load_tokenizer(args.tokenizer, export_dir, cfg)
-    tokenizer_file = Path(args.tokenizer) if args.tokenizer else export_dir / TOKENIZER_FILE
+    source = open_model_dir("model", args.model, None, args.tokenizer)
+    cfg, tokenizer = source.cfg, source.tokenizer
+    tokenizer_file = Path(args.tokenizer) if args.tokenizer else source.tokenizer_file
+    if dataset_names and tokenizer_file is None:
+        raise EvaluateError(f"perplexity= checks each dataset against the tokenizer.json it was prepared with, and "
+                            f"{source.path} has none; pass tokenizer=PATH")
     datasets = {name: check_dataset(name, tokenizer_file, cfg) for name in dataset_names}
     manager = task_manager_for(task_names, check_include_path(args.include_path, args.allow_task_code)) if task_names else None
 
-    lm = ExportedAttnResLM(load_exported_model(export_dir, cfg), tokenizer, cfg.train.seq_len, args.batch_size,
-                   device=device)
+    model = source.load() if source.release is not None else load_exported_model(source.path, cfg)
+    lm = ExportedAttnResLM(model, tokenizer, cfg.train.seq_len, args.batch_size, device=device)
     with contextlib.nullcontext() if args.allow_task_code else sandboxed_templates(manager):
         tasks = run_tasks(lm, task_names, manager, limit, args.num_fewshot) if task_names else {}
     perplexity = {name: dataset_perplexity(lm, path, cfg, args.batch_size) for name, path in datasets.items()}
-    report = {"export": str(export_dir.resolve()), "step": read_export_config(export_dir).get("step"),
+    step = None if source.release is not None else read_export_config(source.path).get("step")
+    report = {"export": str(source.path.resolve()), "step": step,
               "tasks": tasks, "perplexity": perplexity,
               "settings": {"limit": limit, "num_fewshot": args.num_fewshot, "batch_size": args.batch_size,
                            "max_length": lm.max_length}}
@@ -463,7 +468,7 @@ def parse(argv: list[str]) -> EvaluateArgs:
 
 def main(argv: list[str] | None = None) -> None:
     run_cli(argv, __doc__, lambda args: run(parse(args)),
-            (EvaluateError, LMEvalError, GenerateError, ExportError, DataError))
+            (EvaluateError, LMEvalError, GenerateError, DataError, *MODEL_DIR_ERRORS))
 
 
 if __name__ == "__main__":

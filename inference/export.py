@@ -9,11 +9,14 @@ Options (key=value):
                   else in it is refused, never deleted)
   format=native   native: the files below, for inference.generate and inference.evaluate; hf: a Hugging Face
                   transformers model (inference/hf/write_export.py), loaded with
-                  AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-  max_shard_size=5GB  format=hf: the largest safetensors file (bytes, or a number with KB, MB or GB); larger
-                  weights are split into shards with an index
+                  AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True); kimi: the released Kimi
+                  models' layout (inference/kimi/write.py) for the engines that serve them: Kimi Linear's for the
+                  baseline, K3's for Block AttnRes with K3's read (anything else is refused)
+  max_shard_size=5GB  the largest safetensors file of format=hf and format=kimi (bytes, or a number with KB, MB
+                  or GB); larger weights are split into shards with an index. Every format reads the checkpoint
+                  about this much at a time, so the host never holds the whole model
 
-format=native writes, all at once (a temporary directory renamed into place, so a failure leaves nothing half-written):
+format=native writes (a temporary directory renamed into place, so a failure leaves nothing half-written):
   out/model.safetensors  the model's weights and buffers (safetensors: plain tensors, no code); its header
                          records the step and the trained context (train.seq_len)
   out/config.json        {"config": the run's full config, "step", "source", "model_fingerprint"}
@@ -41,16 +44,22 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from model.config import ModelConfig
 from model.params import config_counts
-from trainer.run_dir.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from trainer.run_dir.checkpoint import CheckpointError, check_model_shapes, read_meta, resolve_checkpoint, verify_checkpoint
 from trainer.files.safe_io import LinkedPathError, check_still, held_path, open_dir
 from trainer.data.format import sha256_file
-from inference.hf.write_export import write_hf_export
-from trainer.trained import load_trained
+from trainer.kimi.config import ReleaseConfigError, export_layout
+from trainer.kimi.load import is_release_dir
+from trainer.kimi.names import NameTableError
+from trainer.trained import run_config
 from trainer.weights import WeightsError, check_finite, is_hf_export
+from inference.checkpoint_reader import CheckpointTensors
+from inference.hf.write_export import write_hf_export
+from inference.kimi.write import write_kimi_export
+from inference.safetensors_writer import write_streaming
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -60,10 +69,12 @@ EXPORT_FILES = (MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE)
 # Kimi Linear's 1M tokens.
 MAX_CONTEXT = 2 ** 20
 HELP_FLAGS = ("-h", "--help")
-FORMATS = ("native", "hf")
+FORMATS = ("native", "hf", "kimi")
 SHARD_SIZE = re.compile(r"[1-9][0-9]*([KMG]B)?")
 # What an export of each format writes, so overwrite=true replaces nothing else.
 HF_EXPORT_SUFFIXES = (".py", ".json", ".safetensors")
+KIMI_EXPORT_SUFFIXES = (".json", ".safetensors")
+SIZE_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}  # as huggingface_hub reads max_shard_size
 
 
 class ExportError(ValueError):
@@ -122,11 +133,21 @@ def safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def _is_export(out: Path, format: str) -> bool:
+    if format == "kimi":
+        return is_release_dir(out)
     return is_hf_export(out) if format == "hf" else (out / MODEL_FILE).is_file()
 
 
 def _written_by_export(name: str, format: str) -> bool:
+    if format == "kimi":
+        return name.endswith(KIMI_EXPORT_SUFFIXES)
     return name.endswith(HF_EXPORT_SUFFIXES) if format == "hf" else name in EXPORT_FILES
+
+
+def shard_bytes(max_shard_size: str) -> int:
+    """max_shard_size (checked by check_format) in bytes."""
+    unit = max_shard_size[-2:]
+    return int(max_shard_size[:-2]) * SIZE_UNITS[unit] if unit in SIZE_UNITS else int(max_shard_size)
 
 
 def _check_out(out: Path, overwrite: bool, format: str) -> None:
@@ -136,13 +157,14 @@ def _check_out(out: Path, overwrite: bool, format: str) -> None:
         raise ExportError(f"out={out} is a file; give a directory to create")
     if out.is_dir() and any(out.iterdir()):
         if not _is_export(out, format):
-            kind = "a format=hf export" if format == "hf" else "an export"
+            kind = f"a format={format} export" if format != "native" else "an export"
             raise ExportError(f"out={out} is a non-empty directory that is not {kind}; pick another out")
         foreign = sorted(f"{entry.name}/" if entry.is_dir() and not entry.is_symlink() else entry.name
                          for entry in out.iterdir()
                          if not _written_by_export(entry.name, format) or (entry.is_dir() and not entry.is_symlink()))
         if foreign:
-            owned = ", ".join(f"*{suffix}" for suffix in HF_EXPORT_SUFFIXES) if format == "hf" else ", ".join(EXPORT_FILES)
+            suffixes = {"hf": HF_EXPORT_SUFFIXES, "kimi": KIMI_EXPORT_SUFFIXES}.get(format)
+            owned = ", ".join(f"*{suffix}" for suffix in suffixes) if suffixes else ", ".join(EXPORT_FILES)
             raise ExportError(f"out={out} holds {', '.join(foreign)} besides an export; an export replaces only "
                               f"{owned}: move the rest away or pick another out")
         if not overwrite:
@@ -231,11 +253,12 @@ def _write(tmp: Path, held: Path, out: Path, write_files) -> str:
         raise ExportError(f"out={out} cannot be written ({error})") from None
 
 
-def _write_native(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dict, tokenizer: Path) -> str:
-    save_file(safetensors_ready(model.state_dict()), tmp / MODEL_FILE,
-              metadata={"format": "pt", "step": str(meta.get("step")),
-                        "seq_len": str(meta["config"]["train"]["seq_len"])})
-    described = {"config": meta["config"], "step": meta.get("step"), "source": str(checkpoint.resolve()),
+def _write_native(tmp: Path, tensors: CheckpointTensors, meta: dict, tokenizer: Path, batch_bytes: int) -> str:
+    """model.safetensors written tensor by tensor as the checkpoint is read (about batch_bytes at a time)."""
+    write_streaming(tmp / MODEL_FILE, tensors.specs, {"format": "pt", "step": str(meta.get("step")),
+                                                      "seq_len": str(meta["config"]["train"]["seq_len"])},
+                    tensors.read, batch_bytes)
+    described = {"config": meta["config"], "step": meta.get("step"), "source": str(tensors.path.resolve()),
                  "model_fingerprint": meta.get("model_fingerprint")}
     (tmp / CONFIG_FILE).write_text(json.dumps(described, indent=2) + "\n")
     if tokenizer.is_file():
@@ -243,10 +266,28 @@ def _write_native(tmp: Path, model: torch.nn.Module, checkpoint: Path, meta: dic
     return f"{(tmp / MODEL_FILE).stat().st_size:,} bytes in {MODEL_FILE}"
 
 
-def _write_hf(tmp: Path, model: torch.nn.Module, meta: dict, tokenizer: Path, max_shard_size: str) -> str:
-    shard_size = int(max_shard_size) if max_shard_size.isdigit() else max_shard_size
-    return write_hf_export(tmp, model.cfg, safetensors_ready(model.state_dict()), meta["config"]["train"]["seq_len"],
-                           meta.get("step"), tokenizer, _copy_regular_file, shard_size)
+def _write_format(tmp: Path, format: str, tensors: CheckpointTensors, model_cfg: ModelConfig, meta: dict,
+                  tokenizer: Path, max_shard_size: str) -> str:
+    seq_len, step, size = meta["config"]["train"]["seq_len"], meta.get("step"), shard_bytes(max_shard_size)
+    if format == "native":
+        return _write_native(tmp, tensors, meta, tokenizer, size)
+    if format == "hf":
+        return write_hf_export(tmp, model_cfg, tensors, seq_len, step, tokenizer, _copy_regular_file, size)
+    return write_kimi_export(tmp, model_cfg, tensors, seq_len, step, tokenizer, _copy_regular_file, size)
+
+
+def _open_checkpoint(path: Path, format: str) -> tuple[ModelConfig, CheckpointTensors]:
+    """The checkpoint's files verified, its model config, and its tensors ready to be read a few at a time; the
+    Kimi format's refusals (a variant it cannot hold) come here, before anything is read or written."""
+    meta = verify_checkpoint(path)
+    model_cfg = run_config(path, meta).model
+    check_model_shapes(path, model_cfg)
+    if format == "kimi":
+        try:
+            export_layout(model_cfg)
+        except ReleaseConfigError as error:
+            raise ExportError(str(error)) from None
+    return model_cfg, CheckpointTensors(path, model_cfg)
 
 
 def export(checkpoint: str, out: str, overwrite: bool = False, format: str = "native",
@@ -261,21 +302,21 @@ def export(checkpoint: str, out: str, overwrite: bool = False, format: str = "na
     _check_out(out_dir, overwrite, format)
     tokenizer = run_dir_of(path) / TOKENIZER_FILE
     _check_tokenizer(tokenizer, meta)
-    tmp, handle = _make_tmp(out_dir)  # before loading, so an unwritable out fails at once
+    model_cfg, tensors = _open_checkpoint(path, format)
+    tmp, handle = _make_tmp(out_dir)  # before reading weights, so an unwritable out fails at once
     held = held_path(handle)
     try:
-        model = load_trained(path).model
-        if format == "hf":
-            written = _write(tmp, held, out_dir, lambda into: _write_hf(into, model, meta, tokenizer, max_shard_size))
-        else:
-            written = _write(tmp, held, out_dir, lambda into: _write_native(into, model, path, meta, tokenizer))
+        written = _write(tmp, held, out_dir, lambda into: _write_format(into, format, tensors, model_cfg, meta,
+                                                                        tokenizer, max_shard_size))
+    except NameTableError as error:
+        raise ExportError(str(error)) from None
     finally:
         os.close(handle)
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename; a link there is left
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = config_counts(model_cfg).total
     if tokenizer.is_file():
         note = ""
-    elif format == "hf":
+    elif format != "native":
         note = f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, so the export has no tokenizer"
     else:
         note = f"; no {TOKENIZER_FILE} in {run_dir_of(path)}, pass tokenizer= to generate"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from lm_eval import utils as lm_utils
 from lm_eval.api.registry import register_model
 
-from inference.generate import export_config, find_export, load_exported_model, load_tokenizer
+from inference.generate import open_model_dir
 from trainer.lm_eval_adapter import AttnResLM
 
 
@@ -19,13 +19,10 @@ class ExportedAttnResLM(AttnResLM):
     @classmethod
     def from_export(cls, pretrained: str, batch_size: int = 8, max_length: int | None = None,
                     device: str | None = None, tokenizer: str | None = None) -> ExportedAttnResLM:
-        """The export directory `pretrained` (inference.export's native format); `tokenizer` a tokenizer.json to
-        use instead of the export's own."""
-        export_dir = find_export("pretrained", str(pretrained))
-        cfg = export_config(export_dir, None)
-        text_tokenizer = load_tokenizer(tokenizer, export_dir, cfg)
-        model = load_exported_model(export_dir, cfg)
-        return cls(model, text_tokenizer, cfg.train.seq_len, batch_size, max_length, device or "auto")
+        """The export directory `pretrained` (inference.export's native format) or a Kimi release directory;
+        `tokenizer` a tokenizer.json to use instead of the directory's own."""
+        source = open_model_dir("pretrained", str(pretrained), None, tokenizer)
+        return cls(source.load(), source.tokenizer, source.cfg.train.seq_len, batch_size, max_length, device or "auto")
 
     # lm_eval builds a registered model through these two; both take the export directory as pretrained=.
     @classmethod

@@ -4,10 +4,12 @@ First export a checkpoint of your own run: `python -m inference.export checkpoin
 Generation loads only the export (model.safetensors + config.json: plain tensors and JSON, nothing that
 runs code), never a training checkpoint, so an export from elsewhere is safe to load. An export whose
 config.json no longer matches its model_fingerprint or the context model.safetensors was trained at, or
-whose weights hold NaN or inf, is refused.
+whose weights hold NaN or inf, is refused. A released Kimi checkpoint directory (Kimi Linear or K3 as
+published: config.json, safetensors, tokenizer.json or tiktoken.model) is read in place (trainer/kimi/; its
+Python code is never run), its context being config.json's max_position_embeddings.
 
 Options (key=value, default after the =):
-  model=            (required) an export directory written by inference.export
+  model=            (required) an export directory written by inference.export, or a Kimi release directory
   checkpoint=       the older name of model=, still accepted
   prompt=           (required) the text to continue, encoded with the export's tokenizer
   max_new_tokens=64 tokens to generate (> 0); prompt + max_new_tokens must fit the trained context
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,10 +38,14 @@ from trainer.run_dir.checkpoint import (CHECKPOINTS_DIR, DCP_METADATA, META_FILE
                                 model_fingerprint)
 from trainer.config import Config, ConfigError, config_from_saved
 from trainer.data.format import tokenizer_vocab_size
-from inference.export import (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, ExportError, check_export_size,
+from trainer.kimi.load import RELEASE_ERRORS, Release, is_release_dir, load_release_model, open_release
+from inference.export import (CONFIG_FILE, MAX_CONTEXT, MODEL_FILE, TOKENIZER_FILE, ExportError, check_export_size,
                             check_trained_context, parse_key_values, read_exported_weights, read_export_config, run_cli)
+from inference.kimi.tokenizer import ReleaseTokenizerError, release_tokenizer
 
 MAX_SEED = 2 ** 64 - 1  # torch.Generator.manual_seed's range
+# The one-line errors of reading a model directory (an export or a Kimi release).
+MODEL_DIR_ERRORS = (ExportError, *RELEASE_ERRORS, ReleaseTokenizerError)
 
 
 @dataclass
@@ -155,11 +161,67 @@ def load_tokenizer(path: str | None, export_dir: Path, cfg: Config):
         tokenizer = Tokenizer.from_file(str(candidate))
     except Exception as error:  # tokenizers raises plain Exceptions for unreadable files
         raise GenerateError(f"tokenizer {candidate} could not be read ({str(error).splitlines()[0]})") from None
+    return check_tokenizer_vocab(tokenizer, candidate, cfg)
+
+
+def check_tokenizer_vocab(tokenizer, source: Path, cfg: Config):
+    """`tokenizer` (read from `source`) if every id it gives is a row of the model's embedding."""
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab > cfg.model.vocab_size:
-        raise GenerateError(f"tokenizer {candidate} has ids up to {vocab - 1}, outside the model's vocab of "
+        raise GenerateError(f"tokenizer {source} has ids up to {vocab - 1}, outside the model's vocab of "
                             f"{cfg.model.vocab_size}; is this the run's tokenizer?")
     return tokenizer
+
+
+@dataclass
+class ModelDir:
+    """A directory inference reads a model from: one of our exports, or a Kimi release (`release`), with the run
+    config it stands for and its tokenizer, all checked before any weight is read."""
+    path: Path
+    cfg: Config
+    tokenizer: object
+    release: Release | None = None
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        """The directory's tokenizer.json (what a prepared dataset records), None when it ships none."""
+        file = self.path / TOKENIZER_FILE
+        return file if file.is_file() else None
+
+    def load(self) -> torch.nn.Module:
+        """The model with the directory's weights, fp32 on the CPU in eval mode."""
+        if self.release is not None:
+            return load_release_model(self.path)[0]
+        return load_exported_model(self.path, self.cfg)
+
+
+def release_run_config(release: Release) -> Config:
+    """The run config a Kimi release stands for, as an export's config.json does: its model, and its context
+    (max_position_embeddings; MAX_CONTEXT, Kimi Linear's 1M tokens, when config.json names none) as train.seq_len."""
+    cfg = Config(model=release.model_config)
+    return replace(cfg, train=replace(cfg.train, seq_len=release.config.context or MAX_CONTEXT))
+
+
+def open_model_dir(key: str, given: str, variant: str | None, tokenizer: str | None,
+                   need_tokenizer: bool = True) -> ModelDir:
+    """The export or Kimi release directory `given` as `key`=, with `tokenizer` (a tokenizer.json) in place of
+    its own when given; a release that ships none has the tokenizer None unless `need_tokenizer`."""
+    path = Path(given)
+    if not is_release_dir(path):
+        export_dir = find_export(key, given)
+        cfg = export_config(export_dir, variant)
+        return ModelDir(export_dir, cfg, load_tokenizer(tokenizer, export_dir, cfg))
+    release = open_release(path)
+    cfg = release_run_config(release)
+    if variant is not None and variant != cfg.model.residual.kind:
+        raise GenerateError(f"variant={variant} but {path} holds a variant={cfg.model.residual.kind} model; drop "
+                            "variant= or pick a checkpoint of that variant")
+    if tokenizer:
+        return ModelDir(path, cfg, load_tokenizer(tokenizer, path, cfg), release)
+    found = release_tokenizer(path, cfg.model.vocab_size)
+    if found is None and need_tokenizer:
+        raise GenerateError(f"{path} ships neither tokenizer.json nor tiktoken.model; pass tokenizer=PATH")
+    return ModelDir(path, cfg, found and check_tokenizer_vocab(found, path, cfg), release)
 
 
 def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:
@@ -182,12 +244,11 @@ def load_exported_model(export_dir: Path, cfg: Config):
 
 
 def run(args: GenerateArgs) -> str:
-    export_dir = find_export(*validate(args))
-    cfg = export_config(export_dir, args.variant)
-    tokenizer = load_tokenizer(args.tokenizer, export_dir, cfg)
+    source = open_model_dir(*validate(args), args.variant, args.tokenizer)
+    tokenizer, cfg = source.tokenizer, source.cfg
     ids = tokenizer.encode(args.prompt).ids
     check_prompt(ids, args.max_new_tokens, cfg)
-    model = load_exported_model(export_dir, cfg)
+    model = source.load()
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_p,
                    args.prefill_chunk or None, seed=args.seed, compile=args.compile)
     return tokenizer.decode(out[0].tolist())
@@ -198,7 +259,7 @@ def parse(argv: list[str]) -> GenerateArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(argv, __doc__, lambda args: run(parse(args)), (GenerateError, ExportError))
+    run_cli(argv, __doc__, lambda args: run(parse(args)), (GenerateError, *MODEL_DIR_ERRORS))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 (`train.trainable`, `train.unfreeze_after`).
 
 init_from loads a trained run's model weights into a freshly built model before step 1 (never on resume):
-from a run, one of its checkpoints, or a Hugging Face export (inference.export format=hf, read as safetensors).
+from a run, one of its checkpoints, a Hugging Face export (inference.export format=hf, read as safetensors), or a
+released Kimi checkpoint directory (Kimi Linear or K3 as published, read through trainer/kimi/; the run's model
+config must compute what the release's does, up to the residual mixer: the one line of a mismatch lists the
+overrides that make it so).
 Every parameter and buffer of the source must exist in the target with the same shape; the target may
 add only depth-read parameters (`*_res.*`, `final_res.*`), which keep their fresh initialisation: zero
 pseudo-queries and unit key-norm gains make every read the uniform average of its sources, which is the
@@ -24,9 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model import build_model
 from model.norms import RMSNorm
 from trainer.run_dir.checkpoint import CheckpointError, resolve_checkpoint
 from trainer.config import ConfigError, TrainConfig
+from trainer.kimi.config import function_differences
+from trainer.kimi.load import RELEASE_ERRORS, is_release_dir, open_release, read_into
 from trainer.weights import WeightsError, check_finite, is_hf_export, read_hf_state
 
 TRAINABLE = ("all", "residual", "norms")
@@ -99,26 +105,51 @@ def _source_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def init_from(model: nn.Module, init_path: str) -> Path:
-    """Copy the weights of `init_path` (a checkpoint or run directory, or a Hugging Face export) into `model`;
-    returns the checkpoint or export read."""
-    if not Path(init_path).exists():
-        raise ConfigError(f"init_from={init_path} does not exist; give a run directory, one of its checkpoints or "
-                          "a inference.export format=hf directory")
-    path = Path(init_path) if is_hf_export(Path(init_path)) else resolve_checkpoint(init_path)
-    source = _source_state(path)
-    target = model.state_dict()
-    for name, tensor in source.items():
+def _check_source(init_path: str, source: dict[str, torch.Size], target: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the source (name -> shape) in the target with its shape; the target adds only depth reads."""
+    for name, shape in source.items():
         if name not in target:
             raise CheckpointError(f"init_from={init_path}: {name} of the source does not exist in this model; "
                                   "the source must be the same model up to the depth reads")
-        if target[name].shape != tensor.shape:
-            raise CheckpointError(f"init_from={init_path}: {name} has shape {tuple(tensor.shape)} in the source and "
+        if target[name].shape != shape:
+            raise CheckpointError(f"init_from={init_path}: {name} has shape {tuple(shape)} in the source and "
                                   f"{tuple(target[name].shape)} here; the source must be the same model up to the depth reads")
     added = [name for name in target if name not in source and not is_depth_read(name)]
     if added:
         raise CheckpointError(f"init_from={init_path}: this model's {added[0]} is not in the source and is not a "
                               "depth read (only *_res.* and final_res.* may be new)")
+
+
+def _init_from_release(model: nn.Module, init_path: str) -> Path:
+    """A Kimi release into `model`, whose config must compute the release's function up to the residual mixer
+    (a retrofit adds depth reads, which keep their fresh zero queries); one tensor at a time."""
+    path = Path(init_path)
+    try:
+        release = open_release(path)
+        differences = function_differences(model.cfg, release.model_config)
+        if differences:
+            raise ConfigError(f"init_from={init_path}: this run's model computes another function than the release's; "
+                              f"set {' '.join(differences)}")
+        source = build_model(release.model_config, device="meta").state_dict()
+        _check_source(init_path, {name: tensor.shape for name, tensor in source.items()}, model.state_dict())
+        read_into(model, release, names=list(source))
+    except RELEASE_ERRORS as error:
+        raise CheckpointError(f"init_from={init_path}: {error}") from None
+    return path
+
+
+def init_from(model: nn.Module, init_path: str) -> Path:
+    """Copy the weights of `init_path` (a checkpoint or run directory, a Hugging Face export or a Kimi release) into
+    `model`; returns the checkpoint, export or release read."""
+    if not Path(init_path).exists():
+        raise ConfigError(f"init_from={init_path} does not exist; give a run directory, one of its checkpoints or "
+                          "a inference.export format=hf directory")
+    if is_release_dir(Path(init_path)):
+        return _init_from_release(model, init_path)
+    path = Path(init_path) if is_hf_export(Path(init_path)) else resolve_checkpoint(init_path)
+    source = _source_state(path)
+    target = model.state_dict()
+    _check_source(init_path, {name: tensor.shape for name, tensor in source.items()}, target)
     with torch.no_grad():
         for name, tensor in source.items():
             target[name].copy_(tensor)

@@ -22,6 +22,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from trainer.data import EOT_TOKEN
+from inference.checkpoint_reader import CheckpointTensors, StateTensors
 from inference.hf.bundle import write_bundle
 from trainer.weights import CONFIG_FILE, INDEX_FILE, PREFIX, WEIGHTS_PATTERN
 
@@ -40,13 +41,16 @@ def hf_config(model_cfg, seq_len: int, eot_id: int | None) -> dict:
     return config.to_dict()
 
 
-def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str, step: int | None) -> int:
-    """Our Decoder's state under AttnResForCausalLM's names, in shards of at most max_shard_size; returns the
-    number of shard files."""
-    named = {PREFIX + name: tensor for name, tensor in state.items()}
+def write_weights(tensors: CheckpointTensors | StateTensors, out: Path, max_shard_size: int | str,
+                  step: int | None) -> int:
+    """Our Decoder's state under AttnResForCausalLM's names, in shards of at most max_shard_size, each read from
+    `tensors` only when it is written; returns the number of shard files."""
+    named = {PREFIX + name: tensor for name, tensor in tensors.meta().items()}
     split = split_torch_state_dict_into_shards(named, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
     for file, names in split.filename_to_tensors.items():
-        save_file({name: named[name] for name in names}, out / file, metadata={"format": "pt", "step": str(step)})
+        shard = tensors.read([name[len(PREFIX):] for name in names])
+        save_file({PREFIX + name: tensor for name, tensor in shard.items()}, out / file,
+                  metadata={"format": "pt", "step": str(step)})
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -70,14 +74,15 @@ def eot_id_of(tokenizer: Path) -> int | None:
     return Tokenizer.from_file(str(tokenizer)).token_to_id(EOT_TOKEN)
 
 
-def write_hf_export(out: Path, model_cfg, state: dict[str, torch.Tensor], seq_len: int, step: int | None,
-                    tokenizer: Path, copy, max_shard_size: int | str) -> str:
-    """Every file of the export into the (new, empty) directory `out`; returns a summary of what was written."""
+def write_hf_export(out: Path, model_cfg, state: dict[str, torch.Tensor] | CheckpointTensors, seq_len: int,
+                    step: int | None, tokenizer: Path, copy, max_shard_size: int | str) -> str:
+    """Every file of the export into the (new, empty) directory `out`; returns a summary of what was written.
+    `state`: our Decoder's state dict, or a checkpoint's tensors to read a shard at a time."""
     eot_id = eot_id_of(tokenizer)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(model_cfg, seq_len, eot_id), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eot_id}, indent=2) + "\n")
     code = write_bundle(out)
-    shards = write_weights(state, out, max_shard_size, step)
+    shards = write_weights(StateTensors(state) if isinstance(state, dict) else state, out, max_shard_size, step)
     if tokenizer.is_file():
         write_tokenizer(tokenizer, out, seq_len, copy)
     return f"{shards} safetensors shard{'s' if shards > 1 else ''}, {len(code)} code files"

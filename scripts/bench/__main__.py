@@ -15,7 +15,7 @@ from inference.export import HELP_FLAGS
 
 # Cheapest first: one process, then several, then the GPU's and the data preparation's.
 BENCHES = ("step", "train", "memory", "checkpoint", "inference", "pp", "context", "tp_prefill", "tp_dtensor",
-           "host_memory", "gloo_staging", "kernels", "prepare")
+           "host_memory", "export_import", "gloo_staging", "kernels", "prepare")
 
 
 def summary(name: str) -> str:

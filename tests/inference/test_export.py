@@ -165,7 +165,7 @@ def test_a_missing_or_incomplete_checkpoint_fails_in_one_line(run_dir, tmp_path,
      "unknown key 'dtype'; valid keys: checkpoint, out, overwrite, format, max_shard_size"),
     (["runs/x"], "argument 'runs/x' is not key=value; valid keys: checkpoint, out, overwrite, format, max_shard_size "
                  "(--help prints the usage)"),
-    (["checkpoint=runs/x", "out=y", "format=onnx"], "format='onnx' is not one of native | hf"),
+    (["checkpoint=runs/x", "out=y", "format=onnx"], "format='onnx' is not one of native | hf | kimi"),
     (["checkpoint=runs/x", "out=y", "format=hf", "max_shard_size=big"],
      "max_shard_size='big' is not a size: give bytes (1000000) or a number with KB, MB or GB (5GB)"),
     (["checkpoint=runs/x", "out=y", "overwrite=maybe"], "overwrite: Value 'maybe' is not a valid bool (type str)"),

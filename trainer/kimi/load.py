@@ -1,0 +1,140 @@
+"""Read a released Kimi checkpoint directory (Kimi Linear or K3, Hugging Face layout) into our model: config.json
+through trainer/kimi/config.py, the weights through the name table (trainer/kimi/names.py), tensor by tensor
+from the memory-mapped safetensors (trainer/kimi/files.py). JSON and safetensors only: the release's Python
+code is never imported or run.
+
+Everything is checked from config.json and the safetensors headers before a weight is read: every tensor our
+model needs is there with its shape, and every tensor there maps onto our model (K3's vision tower and
+projector are skipped, with one line that says so).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model import build_model
+from trainer.kimi.config import LAYOUTS, ReleaseConfig, ReleaseConfigError, release_config
+from trainer.kimi.files import ReleaseFiles, ReleaseFilesError
+from trainer.kimi.quantized import QuantizedWeightError
+from trainer.kimi.names import QUERY, SKIPPED_PREFIXES, UNUSED, Mapped, NameTableError, map_name, to_ours
+from trainer.weights import WeightsError, non_finite_count
+
+CONFIG_FILE = "config.json"
+RELEASE_ERRORS = (ReleaseConfigError, ReleaseFilesError, NameTableError, QuantizedWeightError, WeightsError)
+
+
+def is_release_dir(path: Path) -> bool:
+    """A directory whose config.json (read as JSON only) is a Kimi release's: model_type kimi_linear or kimi_k3."""
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in LAYOUTS
+
+
+@dataclass
+class Release:
+    directory: Path
+    config: ReleaseConfig
+    files: ReleaseFiles
+
+    @property
+    def model_config(self):
+        return self.config.model
+
+
+def open_release(directory: str | Path) -> Release:
+    """config.json and the weights' index of a release directory, checked; no weight is read."""
+    directory = Path(directory)
+    where = directory / CONFIG_FILE
+    try:
+        raw = json.loads(where.read_text())
+    except (OSError, ValueError) as error:
+        raise ReleaseConfigError(f"{where} could not be read ({str(error).splitlines()[0]})") from None
+    try:
+        config = release_config(raw, str(where))
+    except (KeyError, TypeError) as error:
+        raise ReleaseConfigError(f"{where} lacks or mistypes a key the decoder needs ({error})") from None
+    return Release(directory, config, ReleaseFiles(directory, config.quantization))
+
+
+def plan(release: Release, state: dict[str, torch.Tensor]) -> list[Mapped]:
+    """The name table applied to `state` (our names -> tensors, meta is enough), checked against the files'
+    headers: each release tensor present with the shape its transform needs, and none left over."""
+    files, mapped = release.files, [map_name(name, tensor.shape, release.config) for name, tensor in state.items()]
+    wanted = {stored: m for m in mapped for name in m.release for stored in files.stored_names(name)}
+    present = files.names()
+    missing = sorted(set(wanted) - present)
+    if missing:
+        raise NameTableError(f"{release.directory} has no tensor {missing[0]}, which our "
+                             f"{wanted[missing[0]].ours} is read from")
+    leftover = sorted(name for name in present - set(wanted) if not name.removeprefix(
+        release.config.prefix).startswith(SKIPPED_PREFIXES) and not name.startswith(SKIPPED_PREFIXES))
+    if leftover:
+        raise NameTableError(f"{release.directory} holds {leftover[0]}, which maps onto nothing this model builds; "
+                             "the checkpoint is refused rather than imported without it")
+    for m in mapped:
+        if m.transform in (QUERY, UNUSED) or not m.release or files.quantized(m.release[0]):
+            continue
+        expected = list(state[m.ours].shape)
+        if m.transform == "experts":
+            expected = [expected[2], expected[1]]  # each expert's Linear [out, in]
+        found = files.shape(m.release[0])
+        if m.transform != "a_log" and found != expected:
+            raise NameTableError(f"{release.directory}: {m.release[0]} has shape {found}, our {m.ours} needs "
+                                 f"{expected} ({release.directory / CONFIG_FILE} and the weights disagree)")
+    return mapped
+
+
+def skipped_note(release: Release) -> str | None:
+    """The one line saying what of a K3 release is not imported (its vision tower and projector)."""
+    skipped = [name for name in release.files.names() if name.removeprefix(release.config.prefix).startswith(
+        SKIPPED_PREFIXES) or name.startswith(SKIPPED_PREFIXES)]
+    if not skipped:
+        return None
+    return (f"{release.directory}: skipping the vision tower and projector ({len(skipped)} tensors); only the text "
+            "decoder is imported")
+
+
+def read_tensor(release: Release, mapped: Mapped, shape: torch.Size) -> torch.Tensor | None:
+    """Our tensor `mapped.ours` from the release (None: keep ours), checked finite and of `shape`."""
+    tensors = [] if mapped.transform == UNUSED else [release.files.weight(name) for name in mapped.release]
+    for name, tensor in zip(mapped.release, tensors):
+        bad = non_finite_count(tensor, name, release.directory) if tensor.is_floating_point() else 0
+        if bad:
+            raise WeightsError(f"{release.directory}: tensor {name} holds {bad:,} non-finite values (NaN or inf)")
+    ours = to_ours(mapped, tensors, shape, str(release.directory))
+    if ours is not None and ours.shape != shape:
+        raise NameTableError(f"{release.directory}: {mapped.release[0]} gives {mapped.ours} the shape "
+                             f"{list(ours.shape)}, this model's is {list(shape)}")
+    return ours
+
+
+@torch.no_grad()
+def read_into(model: nn.Module, release: Release, names: list[str] | None = None) -> None:
+    """Copy the release's weights into `model` (whose state must be the release model's, or, with `names`, hold
+    those of its tensors), one tensor at a time: the host holds the model and one release tensor."""
+    state = model.state_dict()
+    wanted = state if names is None else {name: state[name] for name in names}
+    note = skipped_note(release)
+    if note:
+        print(note, file=sys.stderr)
+    for mapped in plan(release, {name: tensor for name, tensor in wanted.items()}):
+        target = state[mapped.ours]
+        value = read_tensor(release, mapped, target.shape)
+        if value is not None:
+            target.copy_(value)
+
+
+def load_release_model(directory: str | Path) -> tuple[nn.Module, Release]:
+    """The release's model, fp32 on the CPU in eval mode, with its weights."""
+    release = open_release(directory)
+    plan(release, build_model(release.model_config, device="meta").state_dict())  # before allocating anything
+    model = build_model(release.model_config)
+    read_into(model, release)
+    return model.eval(), release
