@@ -301,7 +301,8 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
     1 unless it is stored as a block or crosses a boundary; a phase-1 read (S, B, T, d) that stays inside
     one transformer block, S. Boundaries: the completed depth blocks b_0..b_n (the block storage),
     the open partial sum after each transformer block, and the phase-1 read of every depth block
-    that straddles two transformer blocks (S: alive until its last member has read)."""
+    that straddles two transformer blocks (S: alive until its last member has read). The per-layer read
+    (variant.two_phase=false) runs no phase 1."""
     geometry = DepthGeometry.of(cfg)
     if not geometry.attends:
         return 2.0 * len(blocks), float(len(blocks))  # baseline: the running sum and the PreNorm input
@@ -314,7 +315,7 @@ def _reads(cfg: ModelConfig, blocks: list[int]) -> tuple[float, float]:
             inside += 1
             if position > 0:
                 inside += 3 + int(position < S - 1 and sublayer != last)
-            if position == 0 and S > 1:  # this sublayer runs the depth block's phase 1
+            if position == 0 and S > 1 and geometry.two_phase:  # this sublayer runs the depth block's phase 1
                 if transformer_block_of(geometry.depth_block_end(sublayer)) == block:
                     inside += S
                 else:

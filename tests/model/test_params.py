@@ -105,3 +105,31 @@ def test_every_attention_option_counts_as_built(options):
         model = build_model(cfg, device="meta")
         assert [i for i, block in model.layers.items() if hasattr(block.attn, "kv_b_proj")] == \
             [str(i) for i in sorted(options["mla_layers"])]
+
+
+def test_the_released_models_count_as_their_configs():
+    """model=kimi_linear_48b (variant=baseline: the release has no AttnRes) and model=kimi_k3 (variant=block,
+    block_size=24) built on meta hold, weights and buffers together, what the released config.json files imply,
+    counted here term by term from their values (docs/VARIANTS.md, "Model sizes"). Kimi Linear's is the published count of its
+    safetensors. The expert bias (e_score_correction_bias) is our buffer, so `state`, not `total`, holds it;
+    A_log is one per head (K3's checkpoint ships 128 for its 96 heads, 2,208 more over 69 layers)."""
+    def release_count(d, V, heads, kda_heads_dim, layers, mla_layers, dense, experts, inter, shared, q_rank, latent,
+                      full_rank_gate, output_gate, attn_res):
+        P, K, H = heads * kda_heads_dim, kda_heads_dim, heads
+        gate = P * d if full_rank_gate else d * K + K * P
+        kda = 3 * P * d + 3 * P * 4 + d * K + K * P + d * H + H + P + gate + K + P * d
+        query = d * H * 192 if q_rank is None else d * q_rank + q_rank + q_rank * H * 192
+        mla = query + d * 576 + 512 + 512 * H * 256 + (d * H * 128 if output_gate else 0) + H * 128 * d
+        width = latent or d
+        moe = (experts * 3 * inter * width + experts * d + experts + 3 * d * inter * shared
+               + (2 * d * latent + latent if latent else 0))
+        return (2 * V * d + d + layers * 2 * d + (layers - mla_layers) * kda + mla_layers * mla + 3 * d * dense
+                + (layers - 1) * moe + (attn_res * ((2 * layers + 1) * 2 * d)))
+
+    kimi_linear = release_count(2304, 163840, 32, 128, 27, 7, 9216, 256, 1024, 1, None, None, False, False, False)
+    kimi_k3 = release_count(7168, 163840, 96, 128, 93, 24, 33792, 896, 3072, 2, 1536, 3584, True, True, True)
+    assert (kimi_linear, kimi_k3) == (49_122_681_728, 2_779_484_476_000)
+    for overrides, expected in ((["model=kimi_linear_48b", "variant=baseline"], kimi_linear),
+                                (["model=kimi_k3", "variant=block", "variant.block_size=24"], kimi_k3)):
+        cfg = load_config(overrides).model
+        assert config_counts(cfg).state == built_counts(cfg)[2] == expected

@@ -22,7 +22,7 @@ VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
 
 
 def test_groups_are_the_documented_ones():
-    assert MODELS == ["kimi_linear_48b", "l", "m", "s", "xs"]
+    assert MODELS == ["kimi_k3", "kimi_linear_48b", "l", "m", "s", "xs"]
     assert VARIANTS == ["baseline", "block", "denseformer", "full", "hc", "highway", "mhc", "x0"]
 
 
