@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import cli_error, fast_train_overrides, train_in_process
-from kimi_release.checkpoints import write_kimi_k3, write_kimi_linear
+from kimi_release.checkpoints import kimi_k3_config, kimi_linear_config, write_kimi_k3, write_kimi_linear
 from kimi_release.read_checkpoint import read_release_checkpoint
 from kimi_release.reference import ReleaseReference
 from kimi_release.tokenizer_files import release_encoding
@@ -28,7 +28,7 @@ from model.config import ModelConfig
 from model.generation import generate
 from parallel.dims import init_distributed
 from trainer.config import ConfigError, load_config
-from trainer.kimi.config import ReleaseConfigError
+from trainer.kimi.config import ReleaseConfigError, function_differences, release_config
 from trainer.kimi.load import open_release
 from trainer.kimi.names import NameTableError
 from trainer.run_dir.checkpoint import latest_checkpoint
@@ -246,3 +246,30 @@ def test_retrofit_of_an_imported_kimi_linear_starts_at_its_loss_and_trains(relea
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     queries = [t for name, t in load_trained(run).model.state_dict().items() if name.endswith("_res.query")]
     assert any(query.abs().sum() > 0 for query in queries)  # the depth reads trained from their zero start
+
+
+def test_the_released_shapes_map_onto_our_presets():
+    """The releases' config.json keys (the fixtures') at the published sizes (docs/MODELS.md) build exactly
+    model=kimi_linear_48b and model=kimi_k3 with variant.block_size=24: no setting computes differently."""
+    k3 = kimi_k3_config()
+    k3["text_config"].update(
+        hidden_size=7168, num_hidden_layers=93, num_attention_heads=96, num_key_value_heads=96, intermediate_size=33792,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=896,
+        num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2, routed_expert_hidden_size=3584,
+        first_k_dense_replace=1, attn_res_block_size=12, num_expert_group=1, topk_group=1, vocab_size=163840)
+    k3["text_config"]["linear_attn_config"].update(
+        full_attn_layers=[*range(4, 93, 4), 93], kda_layers=[i for i in range(1, 93) if i % 4], head_dim=128,
+        num_heads=96)
+    linear = kimi_linear_config()
+    linear.update(hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+                  intermediate_size=9216, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024, vocab_size=163840)
+    mla = [4, 8, 12, 16, 20, 24, 27]
+    linear["linear_attn_config"].update(full_attn_layers=mla, kda_layers=[i for i in range(1, 28) if i not in mla],
+                                        head_dim=128, num_heads=32)
+    for config, preset in ((k3, ["model=kimi_k3", "variant=block", "variant.block_size=24"]),
+                           (linear, ["model=kimi_linear_48b", "variant=baseline"])):
+        ours = load_config(preset).model
+        imported = release_config(config, "config.json").model
+        assert function_differences(ours, imported) == []
+        assert imported.residual == ours.residual

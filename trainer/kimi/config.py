@@ -129,6 +129,10 @@ def _moe(text: dict, model_type: str, where: str) -> MoEConfig:
     activation = text.get("hidden_act", "silu")
     if activation not in ACTIVATIONS:
         raise ReleaseConfigError(f"{where}: hidden_act={activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    situ = {}
+    if activation == "situ":  # the release code's defaults when a beta is absent: 1, and no bound on up
+        situ = dict(situ_beta=float(text.get("activation_situ_beta") or 1.0),
+                    situ_linear_beta=text.get("activation_situ_linear_beta"))
     return MoEConfig(
         n_routed_experts=text["num_experts"], top_k=top_k, moe_inter=text["moe_intermediate_size"],
         n_shared_experts=text.get("num_shared_experts", 0),
@@ -138,9 +142,7 @@ def _moe(text: dict, model_type: str, where: str) -> MoEConfig:
         # Kimi Linear's code adds the bias in place to the scores it then gathers the weights from; K3's does not.
         bias_in_weights=model_type == KIMI_LINEAR,
         n_expert_groups=groups, topk_groups=text.get("topk_group", 1),
-        activation=ACTIVATIONS[activation],
-        situ_beta=float(text.get("activation_situ_beta") or 1.0),
-        situ_linear_beta=text.get("activation_situ_linear_beta"),
+        activation=ACTIVATIONS[activation], **situ,
         latent_dim=text.get("routed_expert_hidden_size"),
         latent_norm=bool(text.get("latent_moe_use_norm", False)) and text.get("routed_expert_hidden_size") is not None,
     )
@@ -299,6 +301,8 @@ def function_differences(ours: ModelConfig, release: ModelConfig) -> list[str]:
                 found.append(f"{prefix}{field.name}={right}")
         return found
 
+    if release.moe.activation != "situ":  # SiTU's betas change nothing under SwiGLU
+        ignored |= {"situ_beta", "situ_linear_beta"}
     found = differs(ours, release, "model.")
     mla_blocks = [block for block in range(release.n_blocks) if release.is_mla(block)]
     if [block for block in range(ours.n_blocks) if ours.is_mla(block)] != mla_blocks:
