@@ -129,7 +129,8 @@ def plain_kda(p: dict[str, torch.Tensor], x: torch.Tensor, lower_bound: float | 
     return (o * torch.sigmoid(gate).view(B, T, H, K)).reshape(B, T, H * K) @ p["o_proj.weight"].T
 
 
-@pytest.mark.parametrize("lower_bound, full_rank, bias", [(-5.0, True, False), (-2.0, False, False), (None, True, True)])
+@pytest.mark.parametrize("lower_bound, full_rank, bias",
+                         [(-5.0, True, False), (-2.0, False, False), (None, True, True)])
 def test_release_gates_match_the_written_out_layer_with_every_gradient(lower_bound, full_rank, bias):
     layer = release_layer(lower_bound, full_rank, bias)
     params = dict(layer.named_parameters())

@@ -110,8 +110,8 @@ def test_every_attention_option_counts_as_built(options):
 def test_the_released_models_count_as_their_configs():
     """model=kimi_linear_48b (variant=baseline: the release has no AttnRes) and model=kimi_k3 (variant=block,
     block_size=24) built on meta hold, weights and buffers together, what the released config.json files imply,
-    counted here term by term from their values (docs/VARIANTS.md, "Model sizes"). Kimi Linear's is the published count of its
-    safetensors. The expert bias (e_score_correction_bias) is our buffer, so `state`, not `total`, holds it;
+    counted here term by term from their values (docs/VARIANTS.md, "Model sizes"). Kimi Linear's is the published
+    count of its safetensors. The expert bias (e_score_correction_bias) is our buffer, so `state`, not `total`, holds it;
     A_log is one per head (K3's checkpoint ships 128 for its 96 heads, 2,208 more over 69 layers)."""
     def release_count(d, V, heads, kda_heads_dim, layers, mla_layers, dense, experts, inter, shared, q_rank, latent,
                       full_rank_gate, output_gate, attn_res):

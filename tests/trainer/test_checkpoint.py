@@ -180,6 +180,16 @@ def test_fingerprint_mismatch_names_only_the_differing_keys():
         check_compatible({"model_fingerprint": block}, model_fingerprint(ModelConfig(d_model=128)))
 
 
+def test_fingerprints_of_two_mla_lists_differ_by_that_key():
+    """A list is one item of the fingerprint (model.mla_layers=[3,7]): split at its spaces, [3, 7] and [3, 8]
+    would both read as `[3,` and pass as the same model."""
+    ours = model_fingerprint(ModelConfig(mla_layers=[3, 7]))
+    with pytest.raises(CheckpointError, match=r"^checkpoint was written by model.mla_layers=\[3,8\]; this run has "
+                                              r"model.mla_layers=\[3,7\]$"):
+        check_compatible({"model_fingerprint": model_fingerprint(ModelConfig(mla_layers=[3, 8]))}, ours)
+    check_compatible({"model_fingerprint": model_fingerprint(ModelConfig())}, model_fingerprint(ModelConfig()))
+
+
 def test_load_refuses_another_model_before_touching_weights(tmp_path, cfg, trained):
     path = save(tmp_path, 1, trained, cfg)
     model, opt, scheduler = make_run(cfg, seed=1)

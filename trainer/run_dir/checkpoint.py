@@ -652,7 +652,8 @@ def model_fingerprint(model_cfg: ModelConfig) -> str:
     flat = _flatten(dataclasses.asdict(model_cfg), "model.")
     flat = {key: value for key, value in flat.items() if key not in RESUMABLE_CHANGES}
     # A list is written as an override types it, without spaces (model.mla_layers=[3,7]): the items split at spaces.
-    flat = {key: "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value for key, value in flat.items()}
+    flat = {key: "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value
+            for key, value in flat.items()}
     return " ".join(f"{override_name(key)}={value}" for key, value in flat.items())
 
 
