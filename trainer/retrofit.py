@@ -82,8 +82,9 @@ def describe_trainable(trainable: int, total: int, train: TrainConfig) -> str:
 
 
 def check_layout(train: TrainConfig, init_from: str | None, world_size: int, tp: int, fsdp: int) -> None:
-    """Retrofitting copies whole tensors and freezes by requires_grad: refuse layouts where that is wrong."""
-    if init_from is not None and (tp > 1 or fsdp > 1):
+    """Retrofitting copies whole tensors (a Kimi release excepted: each rank reads its own part) and freezes by
+    requires_grad: refuse layouts where that is wrong."""
+    if init_from is not None and (tp > 1 or fsdp > 1) and not is_release_dir(Path(init_from)):
         raise ConfigError(f"init_from={init_from} loads whole tensors; it is not supported with parallel.tp > 1 "
                           "or parallel.fsdp > 1 (retrofit on one process or with dp/pp)")
     if train.trainable != "all" and world_size > 1:
@@ -122,7 +123,8 @@ def _check_source(init_path: str, source: dict[str, torch.Size], target: dict[st
 
 def _init_from_release(model: nn.Module, init_path: str) -> Path:
     """A Kimi release into `model`, whose config must compute the release's function up to the residual mixer
-    (a retrofit adds depth reads, which keep their fresh zero queries); one tensor at a time."""
+    (a retrofit adds depth reads, which keep their fresh zero queries); one tensor at a time, each rank reading
+    only the part of it that the layout left there (tp/ep slices, FSDP shards, a pipeline stage's blocks)."""
     path = Path(init_path)
     try:
         release = open_release(path)
@@ -130,9 +132,11 @@ def _init_from_release(model: nn.Module, init_path: str) -> Path:
         if differences:
             raise ConfigError(f"init_from={init_path}: this run's model computes another function than the release's; "
                               f"set {' '.join(differences)}")
+        # Checked on the whole models (meta): a rank of a layout holds only part of its own.
         source = build_model(release.model_config, device="meta").state_dict()
-        _check_source(init_path, {name: tensor.shape for name, tensor in source.items()}, model.state_dict())
-        read_into(model, release, names=list(source))
+        _check_source(init_path, {name: tensor.shape for name, tensor in source.items()},
+                      build_model(model.cfg, device="meta").state_dict())
+        read_into(model, release)
     except RELEASE_ERRORS as error:
         raise CheckpointError(f"init_from={init_path}: {error}") from None
     return path

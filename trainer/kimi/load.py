@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from model import build_model
+from parallel.fill import fill_held_regions
 from trainer.kimi.config import LAYOUTS, ReleaseConfig, ReleaseConfigError, release_config
 from trainer.kimi.files import ReleaseFiles, ReleaseFilesError
 from trainer.kimi.quantized import QuantizedWeightError
-from trainer.kimi.names import QUERY, SKIPPED_PREFIXES, UNUSED, Mapped, NameTableError, map_name, to_ours
+from trainer.kimi.names import QUERY, SAME, SKIPPED_PREFIXES, UNUSED, Mapped, NameTableError, map_name, to_ours
 from trainer.weights import WeightsError, non_finite_count
 
 CONFIG_FILE = "config.json"
@@ -101,34 +102,49 @@ def skipped_note(release: Release) -> str | None:
             "decoder is imported")
 
 
-def read_tensor(release: Release, mapped: Mapped, shape: torch.Size) -> torch.Tensor | None:
-    """Our tensor `mapped.ours` from the release (None: keep ours), checked finite and of `shape`."""
-    tensors = [] if mapped.transform == UNUSED else [release.files.weight(name) for name in mapped.release]
-    for name, tensor in zip(mapped.release, tensors):
-        bad = non_finite_count(tensor, name, release.directory) if tensor.is_floating_point() else 0
-        if bad:
-            raise WeightsError(f"{release.directory}: tensor {name} holds {bad:,} non-finite values (NaN or inf)")
-    ours = to_ours(mapped, tensors, shape, str(release.directory))
-    if ours is not None and ours.shape != shape:
+def _check_finite(release: Release, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    bad = non_finite_count(tensor, name, release.directory) if tensor.is_floating_point() else 0
+    if bad:
+        raise WeightsError(f"{release.directory}: tensor {name} holds {bad:,} non-finite values (NaN or inf)")
+    return tensor
+
+
+def read_region(release: Release, mapped: Mapped, shape: tuple[int, ...],
+                index: tuple[slice, ...]) -> torch.Tensor | None:
+    """`index` of our tensor `mapped.ours` (whole: `shape`) from the release, reading no more of a plain tensor
+    than that (None: keep ours, for an unused one). Expert stacks read only the experts in `index`, each of
+    them only its rows and columns unless it is packed (MXFP4 is dequantised whole, one expert at a time)."""
+    files, transform = release.files, mapped.transform
+    if transform == UNUSED:
+        return None
+    if transform == "experts":
+        rows, cols = index[1], index[2]
+        tensors = []
+        for name in mapped.release[index[0]]:
+            tensor = files.weight(name) if files.quantized(name) else files.slice(name, (cols, rows))
+            tensor = tensor[cols, rows] if files.quantized(name) else tensor  # (out, in) of the held part
+            tensors.append(_check_finite(release, name, tensor))
+        return to_ours(mapped, tensors, torch.Size(shape), str(release.directory))
+    if transform == SAME and not files.quantized(mapped.release[0]):
+        name = mapped.release[0]
+        return _check_finite(release, name, files.slice(name, index))
+    tensors = [_check_finite(release, name, files.weight(name)) for name in mapped.release]
+    ours = to_ours(mapped, tensors, torch.Size(shape), str(release.directory))
+    if ours.shape != torch.Size(shape):
         raise NameTableError(f"{release.directory}: {mapped.release[0]} gives {mapped.ours} the shape "
                              f"{list(ours.shape)}, this model's is {list(shape)}")
-    return ours
+    return ours[index]
 
 
-@torch.no_grad()
-def read_into(model: nn.Module, release: Release, names: list[str] | None = None) -> None:
-    """Copy the release's weights into `model` (whose state must be the release model's, or, with `names`, hold
-    those of its tensors), one tensor at a time: the host holds the model and one release tensor."""
-    state = model.state_dict()
-    wanted = state if names is None else {name: state[name] for name in names}
+def read_into(model: nn.Module, release: Release) -> None:
+    """Copy the release's weights into `model` (the release's model, or one that adds to it, such as depth reads,
+    which keep their values), one tensor at a time, each rank reading only the part it holds
+    (parallel.fill.fill_held_regions: tp/ep slices, FSDP shards, a pipeline stage's blocks)."""
     note = skipped_note(release)
     if note:
         print(note, file=sys.stderr)
-    for mapped in plan(release, {name: tensor for name, tensor in wanted.items()}):
-        target = state[mapped.ours]
-        value = read_tensor(release, mapped, target.shape)
-        if value is not None:
-            target.copy_(value)
+    mapped = {m.ours: m for m in plan(release, build_model(release.model_config, device="meta").state_dict())}
+    fill_held_regions(model, set(mapped), lambda name, shape, index: read_region(release, mapped[name], shape, index))
 
 
 def load_release_model(directory: str | Path) -> tuple[nn.Module, Release]:
