@@ -80,6 +80,20 @@ def test_load_model_and_generate_match_the_release_reference(layout, releases, c
     assert capsys.readouterr().out.strip("\n") == tokenizer.decode(prompt_ids + greedy)
 
 
+def test_evaluate_reads_a_release_in_place_and_refuses_what_it_cannot_check(releases, tiny_dataset, capsys):
+    """evaluate takes a release directory as model=; a perplexity dataset must match the tokenizer.json it was
+    prepared with, which a release shipping only tiktoken.model lacks, and which K3's fixture's is not."""
+    from inference.evaluate import main as evaluate_main
+
+    k3, linear = releases["kimi_k3"].directory, releases["kimi_linear"].directory
+    assert cli_error(capsys, evaluate_main, [f"model={k3}", f"perplexity={tiny_dataset}"]) == (
+        f"error: perplexity= checks each dataset against the tokenizer.json it was prepared with, and {k3} has none; "
+        "pass tokenizer=PATH")
+    refused = cli_error(capsys, evaluate_main, [f"model={linear}", f"perplexity={tiny_dataset}"])
+    assert refused.startswith(f"error: perplexity={tiny_dataset} was tokenised with another tokenizer than "
+                              f"{linear / 'tokenizer.json'}")
+
+
 # -- export ------------------------------------------------------------------------------------------------------
 
 EXPORTABLE = {"model.kda.output_gate_bias": "false", "model.mla.latent_norm_eps": "1e-6"}
