@@ -187,8 +187,9 @@ def moe_shapes(cfg: dict) -> dict[str, tuple]:
         shapes |= {"routed_expert_down_proj.weight": (expert_d, d), "routed_expert_up_proj.weight": (d, expert_d)}
         if cfg.get("latent_moe_use_norm", False):
             shapes["routed_expert_norm.weight"] = (expert_d,)
-    shared = {f"shared_experts.{n}": s for n, s in mlp_shapes(d, width * cfg["num_shared_experts"]).items()}
-    return shapes | shared
+    if cfg.get("num_shared_experts") is not None:  # the release builds no shared experts for null
+        shapes |= {f"shared_experts.{n}": s for n, s in mlp_shapes(d, width * cfg["num_shared_experts"]).items()}
+    return shapes
 
 
 def text_shapes(cfg: dict, release: str) -> dict[str, tuple]:
