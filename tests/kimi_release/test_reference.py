@@ -90,6 +90,24 @@ def test_mxfp4_packs_the_even_column_in_the_low_nibble():
     assert packed["weight_packed"][0, 0].item() == 0xA1 and packed["weight_scale"].item() == 127
 
 
+def test_mla_on_one_token_returns_each_heads_value_gated_by_the_input():
+    """One token attends only to itself, so each head outputs its own v: kv_b_proj's rows per head are
+    [k_nope | v], and K3's gate multiplies by sigmoid(g_proj(x)) before o_proj."""
+    torch.manual_seed(0)
+    cfg = {"num_attention_heads": 2, "num_key_value_heads": 2, "qk_nope_head_dim": 3, "qk_rope_head_dim": 2,
+           "v_head_dim": 4, "kv_lora_rank": 5, "q_lora_rank": None, "mla_use_output_gate": True}
+    w = {"q_proj.weight": torch.randn(10, 6), "kv_a_proj_with_mqa.weight": torch.randn(7, 6),
+         "kv_a_layernorm.weight": torch.rand(5) + 0.5, "kv_b_proj.weight": torch.randn(14, 5),
+         "g_proj.weight": torch.randn(8, 6), "o_proj.weight": torch.randn(6, 8)}
+    x = torch.randn(1, 1, 6)
+    latent = (x @ w["kv_a_proj_with_mqa.weight"].T)[..., :5]
+    normed = latent / (latent.pow(2).mean() + 1e-6).sqrt() * w["kv_a_layernorm.weight"]
+    per_head = (normed @ w["kv_b_proj.weight"].T).view(2, 7)  # (H, nope + v)
+    v = per_head[:, 3:].reshape(1, 1, 8)
+    expected = (v * torch.sigmoid(x @ w["g_proj.weight"].T)) @ w["o_proj.weight"].T
+    torch.testing.assert_close(reference.mla(x, w, "", cfg), expected)
+
+
 def test_a_read_with_a_zero_query_is_the_uniform_average():
     torch.manual_seed(0)
     sources = [torch.randn(2, 3, 8) * scale for scale in (1.0, 5.0, 0.1)]
@@ -97,6 +115,38 @@ def test_a_read_with_a_zero_query_is_the_uniform_average():
     torch.testing.assert_close(out, sum(sources) / 3)
     sharp = reference.depth_read(sources[:2], torch.ones(8), 50 * sources[1][0, 0] / sources[1][0, 0].norm(), 1e-5)
     torch.testing.assert_close(sharp[0, 0], sources[1][0, 0], rtol=1e-4, atol=1e-4)  # the query picks its source
+
+
+def test_attn_res_stream_follows_the_release_order():
+    """Blocks of 2 layers over 3 layers, zero queries (every read the mean of its sources), sublayers that scale
+    their input: a read before attention unless no block is sealed yet, a seal at the first layer of each block
+    after that read, a read before the MLP, one final read."""
+    d, layers = 4, 3
+    res = {f"{site}_{part}.weight": torch.ones(d) if part == "res_norm" else torch.zeros(1, d)
+           for site in ("self_attention", "mlp") for part in ("res_norm", "res_proj")}
+    state = {f"language_model.model.layers.{i}.{name}": value for i in range(layers) for name, value in res.items()}
+    state |= {"language_model.model.output_attn_res_norm.weight": torch.ones(d),
+              "language_model.model.output_attn_res_proj.weight": torch.zeros(1, d),
+              "language_model.model.embed_tokens.weight": torch.randn(3, d), "language_model.lm_head.weight": torch.eye(d),
+              "language_model.model.norm.weight": torch.ones(d)}
+    text = {"num_hidden_layers": layers, "attn_res_block_size": 2, "rms_norm_eps": 1e-5,
+            "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": []}}
+    model = ReleaseReference({"model_type": "kimi_k3", "text_config": text}, state)
+    attn_scale, mlp_scale = (2.0, -1.0, 0.5), (3.0, 0.25, -2.0)
+    model.token_mixer = lambda layer, x: attn_scale[layer] * x
+    model.ffn = lambda layer, x: mlp_scale[layer] * x
+    model.norm = lambda name, x: x
+    e = state["language_model.model.embed_tokens.weight"][torch.tensor([[1]])]  # (1, 1, d)
+    mean = lambda *sources: sum(sources) / len(sources)  # noqa: E731
+    a0 = 2.0 * e  # layer 0: nothing sealed, attention reads e; e is sealed
+    p = a0 + 3.0 * mean(e, a0)
+    a1 = -1.0 * mean(e, p)  # layer 1 reads [e, partial]
+    p = p + a1
+    p = p + 0.25 * mean(e, p)
+    block = p
+    a2 = 0.5 * mean(e, block)  # layer 2 reads [e, block 1], then seals block 1
+    p = a2 + -2.0 * mean(e, block, a2)
+    torch.testing.assert_close(model.logits(torch.tensor([[1]])), mean(e, block, p))
 
 
 def test_routing_per_release():
