@@ -8,6 +8,9 @@ fixed so freed blocks leave the RSS:
   whole          what export did before it streamed: the checkpoint loaded into a built model, one save_file
   native, hf, kimi   python -m inference.export's formats, reading the checkpoint a max_shard_size at a time
   import         inference.load_model of the kimi export: the model built, then filled tensor by tensor
+  import_fsdp2   each of 2 gloo ranks (torchrun): the model on meta, sharded by FSDP2 and filled with this
+                 rank's shards (materialise_parallel), then every rank reading only its rows of the kimi
+                 export (trainer/kimi/load.py's read_into, as init_from does)
 `growth` is the peak RSS minus the RSS once the imports are done; `model` is the state's bytes.
 
     python -m scripts.bench export_import [model=l] [max_shard_size=256MB]
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -26,6 +30,7 @@ from scripts.bench.common import in_fresh_process, peak_rss_bytes, rss_bytes
 from scripts.cli import key, parse
 
 MODES = ("whole", "native", "hf", "kimi", "import")
+FSDP_IMPORT = "import_fsdp2"  # per rank, under torchrun
 KIMI_EXPORTABLE = ("variant=block", "variant.block_size=4", "model.kda.output_gate_bias=false")
 
 
@@ -33,7 +38,8 @@ KIMI_EXPORTABLE = ("variant=block", "variant.block_size=4", "model.kda.output_ga
 class Args:
     model: str = key("l", "configs/model/ size")
     max_shard_size: str = key("256MB", "the exports' max_shard_size (also how much they read at a time)")
-    one: str | None = key(None, "internal: measure this mode in this process", choices=(None, "setup", *MODES))
+    one: str | None = key(None, "internal: measure this mode in this process",
+                          choices=(None, "setup", *MODES, FSDP_IMPORT))
     root: str | None = key(None, "internal: the directory holding the checkpoint and the exports")
 
 
@@ -77,10 +83,46 @@ def measure(mode: str, root: Path, max_shard_size: str) -> dict:
     return {"mode": mode, "growth_mb": (peak_rss_bytes() - before) / 1e6}
 
 
+def import_fsdp2(root: Path) -> dict:
+    """One rank of 2 (under torchrun): the kimi export into an FSDP2-sharded model, model=xs's first."""
+    import torch
+
+    from model import build_model
+    from parallel.dims import Degrees, build_layout, init_distributed
+    from parallel.parallelize import materialise_parallel
+    from trainer.kimi.load import open_release, read_into
+
+    info = init_distributed()
+    layout = build_layout(info, Degrees(fsdp=2))
+    before = None
+    for name in ("kimi-warm", "kimi"):
+        release = open_release(root / name)
+        before = rss_bytes()
+        model = build_model(release.model_config, device="meta")
+        materialise_parallel(model, info, layout, 0, torch.float32)
+        read_into(model, release)
+        del model
+    return {"mode": FSDP_IMPORT, "rank": info.rank, "growth_mb": (peak_rss_bytes() - before) / 1e6}
+
+
+def fsdp_import_growth(root: Path, env: dict[str, str]) -> list[float]:
+    """Each rank's growth in import_fsdp2, from a 2-rank torchrun."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "scripts.bench",
+               "export_import", f"one={FSDP_IMPORT}", f"root={root}"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or len(lines) != 2:
+        sys.exit(f"the {FSDP_IMPORT} measurement failed: {(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+    return [line["growth_mb"] for line in sorted(lines, key=lambda line: line["rank"])]
+
+
 def main(argv: list[str]) -> None:
     args = parse(Args, __doc__, argv)
     if args.one == "setup":
         print(json.dumps(setup(args.model, Path(args.root))))
+        return
+    if args.one == FSDP_IMPORT:
+        print(json.dumps(import_fsdp2(Path(args.root))))
         return
     if args.one:
         print(json.dumps(measure(args.one, Path(args.root), args.max_shard_size)))
@@ -96,9 +138,12 @@ def main(argv: list[str]) -> None:
                        f"max_shard_size={args.max_shard_size}"]
             results[mode] = in_fresh_process(command, env, f"the {mode} measurement")["growth_mb"]
             print(f"{mode}: {results[mode]:.0f} MB", file=sys.stderr)
-            if mode != "kimi":  # the import reads the kimi export
+            if mode != "kimi":  # the imports read the kimi export
                 shutil.rmtree(root / mode, ignore_errors=True)
+        per_rank = fsdp_import_growth(root, env)
+        print(f"{FSDP_IMPORT}: {' / '.join(f'{growth:.0f}' for growth in per_rank)} MB", file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"model={args.model} ({size:.0f} MB of fp32 state), max_shard_size={args.max_shard_size}: peak host memory "
-          "growth " + ", ".join(f"{mode} {results[mode]:.0f} MB" for mode in MODES))
+          "growth " + ", ".join(f"{mode} {results[mode]:.0f} MB" for mode in MODES)
+          + f", {FSDP_IMPORT} per rank " + " / ".join(f"{growth:.0f} MB" for growth in per_rank))

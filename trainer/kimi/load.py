@@ -22,7 +22,8 @@ from parallel.fill import fill_held_regions
 from trainer.kimi.config import LAYOUTS, ReleaseConfig, ReleaseConfigError, release_config
 from trainer.kimi.files import ReleaseFiles, ReleaseFilesError
 from trainer.kimi.quantized import QuantizedWeightError
-from trainer.kimi.names import QUERY, SAME, SKIPPED_PREFIXES, UNUSED, Mapped, NameTableError, map_name, to_ours
+from trainer.kimi.names import (A_LOG, EXPERTS, QUERY, SAME, SKIPPED_PREFIXES, UNUSED, Mapped, NameTableError, map_name,
+                                to_ours)
 from trainer.weights import WeightsError, non_finite_count
 
 CONFIG_FILE = "config.json"
@@ -74,8 +75,7 @@ def plan(release: Release, state: dict[str, torch.Tensor]) -> list[Mapped]:
     if missing:
         raise NameTableError(f"{release.directory} has no tensor {missing[0]}, which our "
                              f"{wanted[missing[0]].ours} is read from")
-    leftover = sorted(name for name in present - set(wanted) if not name.removeprefix(
-        release.config.prefix).startswith(SKIPPED_PREFIXES) and not name.startswith(SKIPPED_PREFIXES))
+    leftover = sorted(name for name in present - set(wanted) if not _skipped(release, name))
     if leftover:
         raise NameTableError(f"{release.directory} holds {leftover[0]}, which maps onto nothing this model builds; "
                              "the checkpoint is refused rather than imported without it")
@@ -83,19 +83,23 @@ def plan(release: Release, state: dict[str, torch.Tensor]) -> list[Mapped]:
         if m.transform in (QUERY, UNUSED) or not m.release or files.quantized(m.release[0]):
             continue
         expected = list(state[m.ours].shape)
-        if m.transform == "experts":
+        if m.transform == EXPERTS:
             expected = [expected[2], expected[1]]  # each expert's Linear [out, in]
         found = files.shape(m.release[0])
-        if m.transform != "a_log" and found != expected:
+        if m.transform != A_LOG and found != expected:
             raise NameTableError(f"{release.directory}: {m.release[0]} has shape {found}, our {m.ours} needs "
                                  f"{expected} ({release.directory / CONFIG_FILE} and the weights disagree)")
     return mapped
 
 
+def _skipped(release: Release, name: str) -> bool:
+    """Whether the release tensor `name` belongs to what no decoder reads (K3's vision tower and projector)."""
+    return name.startswith(SKIPPED_PREFIXES) or name.removeprefix(release.config.prefix).startswith(SKIPPED_PREFIXES)
+
+
 def skipped_note(release: Release) -> str | None:
     """The one line saying what of a K3 release is not imported (its vision tower and projector)."""
-    skipped = [name for name in release.files.names() if name.removeprefix(release.config.prefix).startswith(
-        SKIPPED_PREFIXES) or name.startswith(SKIPPED_PREFIXES)]
+    skipped = [name for name in release.files.names() if _skipped(release, name)]
     if not skipped:
         return None
     return (f"{release.directory}: skipping the vision tower and projector ({len(skipped)} tensors); only the text "
@@ -117,13 +121,15 @@ def read_region(release: Release, mapped: Mapped, shape: tuple[int, ...],
     files, transform = release.files, mapped.transform
     if transform == UNUSED:
         return None
-    if transform == "experts":
+    if transform == EXPERTS:
         rows, cols = index[1], index[2]
         tensors = []
         for name in mapped.release[index[0]]:
-            tensor = files.weight(name) if files.quantized(name) else files.slice(name, (cols, rows))
-            tensor = tensor[cols, rows] if files.quantized(name) else tensor  # (out, in) of the held part
-            tensors.append(_check_finite(release, name, tensor))
+            if files.quantized(name):
+                held = files.weight(name)[cols, rows]  # dequantised whole, then the held (out, in) part
+            else:
+                held = files.slice(name, (cols, rows))  # (out, in) of the held part
+            tensors.append(_check_finite(release, name, held))
         return to_ours(mapped, tensors, torch.Size(shape), str(release.directory))
     if transform == SAME and not files.quantized(mapped.release[0]):
         name = mapped.release[0]
