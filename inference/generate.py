@@ -221,7 +221,7 @@ def open_model_dir(key: str, given: str, variant: str | None, tokenizer: str | N
     found = release_tokenizer(path, cfg.model.vocab_size)
     if found is None and need_tokenizer:
         raise GenerateError(f"{path} ships neither tokenizer.json nor tiktoken.model; pass tokenizer=PATH")
-    return ModelDir(path, cfg, found and check_tokenizer_vocab(found, path, cfg), release)
+    return ModelDir(path, cfg, None if found is None else check_tokenizer_vocab(found, path, cfg), release)
 
 
 def check_prompt(ids: list[int], max_new_tokens: int, cfg: Config) -> None:

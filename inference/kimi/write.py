@@ -73,12 +73,13 @@ def write_kimi_export(out: Path, model_cfg: ModelConfig, checkpoint: CheckpointT
     weight_map, total = {}, 0
     for index, shard in enumerate(shards, start=1):
         file = SINGLE_FILE if len(shards) == 1 else SHARD_PATTERN.format(index=index, count=len(shards))
-        sources = list(dict.fromkeys(m.ours for _, m, _ in shard))
-        ours = checkpoint.read(sources)
-        wanted = {name for name, _, _ in shard}
-        tensors = {name: tensor for source in sources
-                   for name, tensor in to_release(next(m for _, m, _ in shard if m.ours == source), ours.pop(source),
-                                                  release) if name in wanted}
+        sources = {m.ours: m for _, m, _ in shard}  # our tensors this shard's release tensors come from
+        ours = checkpoint.read(list(sources))
+        wanted = {name for name, _, _ in shard}  # an expert stack may spread over shards: only this one's experts
+        tensors = {}
+        for source, m in sources.items():
+            tensors.update((name, tensor) for name, tensor in to_release(m, ours.pop(source), release)
+                           if name in wanted)
         save_file(tensors, out / file, metadata={"format": "pt", "step": str(step)})
         weight_map.update({name: file for name in tensors})
         total += sum(size for _, _, size in shard)
