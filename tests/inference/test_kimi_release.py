@@ -23,6 +23,7 @@ IMPORTED = {  # name -> (release, changes to its text config; a dict value updat
         ("kimi_linear", {"first_k_dense_replace": 0, "num_experts_per_token": 1, "q_lora_rank": 24,
                          "linear_attn_config": {"kda_layers": [2, 3, 5], "full_attn_layers": [1, 4]}}),
     "Kimi Linear, not renormalised": ("kimi_linear", {"moe_renormalize": False}),
+    "Kimi Linear, num_shared_experts null (the release builds none)": ("kimi_linear", {"num_shared_experts": None}),
     "K3, partial last block, no latent norm or linear beta, 2 of 4 groups, ungated MLA, KL KDA gates":
         ("kimi_k3", {"attn_res_block_size": 4, "latent_moe_use_norm": False, "activation_situ_linear_beta": None,
                      "num_expert_group": 4, "topk_group": 2, "mla_use_output_gate": False,

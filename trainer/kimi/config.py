@@ -135,7 +135,7 @@ def _moe(text: dict, model_type: str, where: str) -> MoEConfig:
                     situ_linear_beta=text.get("activation_situ_linear_beta"))
     return MoEConfig(
         n_routed_experts=text["num_experts"], top_k=top_k, moe_inter=text["moe_intermediate_size"],
-        n_shared_experts=text.get("num_shared_experts", 0),
+        n_shared_experts=text.get("num_shared_experts") or 0,  # null: the release builds none
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         # The release renormalises only a top-k of 2 or more.
         renormalize=bool(text.get("moe_renormalize", True)) and top_k > 1,
