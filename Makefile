@@ -20,10 +20,10 @@ $(STAMP): setup.py
 test: setup
 	$(PY) -m pytest -q -n 2 --durations=25 tests
 
-# What to run while you work: every test that starts no torchrun launch, runs no lm_eval evaluation and
-# compiles nothing (pytest.ini's markers). `make test` runs them all.
+# What to run while you work (under 2 minutes on 2 cores): every test that starts no torchrun launch, runs no
+# lm_eval evaluation, compiles nothing and is not marked slow (pytest.ini's markers). `make test` runs them all.
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --durations=10 -m "not launch and not lm_eval and not compile" tests
+	$(PY) -m pytest -q -n 2 --durations=10 -m "not launch and not lm_eval and not compile and not slow" tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -107,10 +107,12 @@ def cli_error(capsys, main, argv) -> str:
 # -- test tiers and launches ----------------------------------------------------------------------
 # `make test-fast` runs the tests marked none of `launch` (they start processes under torchrun: each launch
 # costs seconds of imports per rank, and its runs share 2 cores with everything else), `lm_eval` (they run
-# lm_eval's evaluation in the test's process) and `compile` (pytest.ini). A test launches only through the
-# fixtures below, and requesting one marks it; a test that runs lm_eval carries the mark itself, and one that
+# lm_eval's evaluation in the test's process), `compile` and `slow` (pytest.ini). A test launches only through
+# the fixtures below, and requesting one marks it; a test that runs lm_eval carries the mark itself, and one that
 # forgets fails (`pytest_runtest_protocol`). Launched tests may run lm_eval too (in the launch or beside it).
+# A run that deselects `slow` ends by naming the unmarked tests that took longer than SLOW_S.
 LAUNCH_FIXTURES = {"launched", "torchrun", "torchrun_runs"}
+SLOW_S = 3.0
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
@@ -118,6 +120,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if LAUNCH_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.launch)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+    slow = sorted({report.nodeid for reports in terminalreporter.stats.values() for report in reports
+                   if getattr(report, "when", None) == "call" and report.duration > SLOW_S})
+    if slow:
+        terminalreporter.write_line(f"the fast tier ran {len(slow)} test(s) over {SLOW_S:.0f} s; mark them "
+                                    "@pytest.mark.slow (pytest.ini):")
+        for nodeid in slow:
+            terminalreporter.write_line(f"  {nodeid}")
 
 
 def _unmarked_lm_eval(*args, **kwargs):

@@ -65,6 +65,7 @@ def greedy_next(model, tokens: list[int]) -> int:
         return int(model(torch.tensor([tokens]))[0, -1].argmax())
 
 
+@pytest.mark.slow
 def test_batched_loglikelihood_equals_one_request_at_a_time(lm, capsys):
     encode = lm.tok_encode
     context = encode("The king and the queen")
@@ -149,6 +150,7 @@ def test_lm_eval_builds_the_registered_model_from_model_args(export_dir):
     assert 0 <= results["results"]["attnres_mc_words"]["acc,none"] <= 1
 
 
+@pytest.mark.slow
 def test_registering_attnres_leaves_lm_evals_own_models():
     # lm_eval registers its own models only when its registry is empty at the first lookup: in a fresh process
     # (this one has imported them already), importing the adapter first must not hide them.
@@ -209,6 +211,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(inference.evaluate, "load_exported_model", refuse)
 
 
+@pytest.mark.slow  # lm_eval builds its task index (seconds) before it can refuse
 def test_an_unknown_task_is_one_line(export_dir, tmp_path, capsys, no_model_load):
     """From the CLI, and from train.eval_tasks in the pre-flight before torchrun starts a rank (lm_eval's catalogue,
     indexed once per process, serves both)."""

@@ -40,6 +40,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_export_writes_the_checkpoint_weights_config_and_tokenizer(run_dir, tiny_dataset, tmp_path):
     out = tmp_path / "export"
     result = run_cli(f"checkpoint={run_dir}", f"out={out}")

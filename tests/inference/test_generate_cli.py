@@ -303,6 +303,7 @@ def test_a_damaged_export_fails_in_one_line(export_dir, tmp_path, capsys, damage
     assert err.startswith(f"error: {damaged}/") and message in err
 
 
+@pytest.mark.slow
 def test_every_mutation_of_an_exports_config_is_one_line_or_a_config(export_dir, tmp_path):
     """Seeded mutations of config.json (issue 24's property test of our own files): reading it is either a
     config or generate's one-line refusal (a mistyped or out-of-range setting, a bad step or fingerprint)."""

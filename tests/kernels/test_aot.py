@@ -35,6 +35,7 @@ def entry_points() -> set[str]:
     return {name for name in jitted if not any(f"{name}(" in src for other, src in sources.items() if other != name)}
 
 
+@pytest.mark.slow
 def test_the_table_launches_every_entry_point_in_both_dtypes():
     configs = tile_configs()
     assert entry_points() == {"_phase1_fwd", "_phase1_bwd", "_phase2_fwd", "_phase2_bwd", "_rms_norm_fwd", "_rms_norm_bwd"}

@@ -232,6 +232,7 @@ def test_auto_takes_the_loop_on_cpu_but_gathers_for_decode_and_bad_choices_fail_
         unaligned(torch.randn(1, 3, 8))
 
 
+@pytest.mark.slow
 def test_compiled_moe_layer_is_one_graph_and_equals_eager_with_gradients():
     """fullgraph=True turns any graph break into an error: the loop's counts.tolist() must not break the
     graph (under compile it runs as one opaque op), forward and backward."""

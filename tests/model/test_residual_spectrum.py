@@ -225,6 +225,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["highway", "hc"])
 def test_trains_and_resumes_exactly(tmp_path, tiny_dataset, variant):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

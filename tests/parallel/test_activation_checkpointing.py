@@ -71,6 +71,7 @@ def test_checkpointed_step_is_bitwise_equal_to_none(variant, mode):
     assert torch.equal(ac_eval_logits, eval_logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["baseline", "block", "mhc"])
 def test_checkpointing_stores_less_full_least(variant):
     saved = {mode: activation_bytes(model_for(VARIANTS[variant], mode), TOKENS)[0]
@@ -79,6 +80,7 @@ def test_checkpointing_stores_less_full_least(variant):
     assert saved["full"] < 0.5 * saved["none"], saved
 
 
+@pytest.mark.slow
 def test_applying_again_replaces_the_mode():
     model = model_for(VARIANTS["block"], "full")
     apply_activation_checkpointing(model, "selective")
@@ -93,6 +95,7 @@ def test_an_unknown_mode_is_refused_in_one_line():
     assert str(error.value) == "train.activation_checkpointing='some' is not valid; allowed: none | full | selective"
 
 
+@pytest.mark.slow
 def test_the_trainer_checkpoints_its_model(tmp_path, tiny_dataset):
     saved = {}
     for mode in ("none", "full"):

@@ -13,6 +13,7 @@ from trainer.config import load_config, validate_layout
 PRESETS = Path(__file__).parents[2] / "configs" / "parallel"
 
 
+@pytest.mark.slow
 def test_every_preset_is_in_the_matrix_at_its_world_size(tiny_dataset):
     assert {preset.stem for preset in PRESETS.glob("*.yaml")} == set(resume_matrix.MATRIX_SETTINGS)
     for world, layouts in resume_matrix.MATRIX.items():
@@ -21,6 +22,7 @@ def test_every_preset_is_in_the_matrix_at_its_world_size(tiny_dataset):
             validate_layout(load_config(overrides), world)  # raises where the settings do not fit the layout
 
 
+@pytest.mark.slow
 def test_one_process_stops_and_resumes_bitwise(tmp_path, tiny_dataset):
     for overrides in resume_matrix.runs(1, tmp_path, tiny_dataset):
         train_in_process(overrides)

@@ -54,6 +54,7 @@ def test_help_lists_the_keys_and_an_unknown_key_is_one_line(name, main, prefix):
     assert code == 2 and bad.partition("=")[0] in err and len(err.strip().splitlines()) == 1, (name, err)
 
 
+@pytest.mark.slow
 def test_bench_help_lists_every_benchmark_in_one_line_each():
     listed = subprocess.run([sys.executable, "-m", "scripts.bench", "--help"], capture_output=True, text=True,
                             cwd=REPO, timeout=60)

@@ -28,6 +28,7 @@ def one_run_experiment(tmp_path, tiny_dataset, variant):
     return shared, tool, tmp_path / "runs" / f"xs-{variant}-s0"
 
 
+@pytest.mark.slow
 def test_unfinished_run_resumes_and_finished_run_is_skipped(tmp_path, tiny_dataset, monkeypatch):
     shared, tool, run_dir = one_run_experiment(tmp_path, tiny_dataset, "baseline")
     Trainer(load_config([*shared, "variant=baseline", "seed=0", f"run.dir={run_dir}", "train.stop_after=2",
@@ -63,6 +64,7 @@ def test_runs_items_are_reported_in_their_order(tmp_path, monkeypatch):
                          str(tmp_path / "report"))]
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_wiped(tmp_path, tiny_dataset,
                                                                                      monkeypatch, capsys):
     """Deleting a finished run's checkpoints frees disk; without finished.json the next launch would train
@@ -90,6 +92,7 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_neither_retrained_nor_
     assert (run_dir / "metrics.jsonl").read_text() == metrics
 
 
+@pytest.mark.slow
 def test_a_forged_finished_json_is_not_believed_over_the_checkpoints(tmp_path, tiny_dataset, capsys):
     """A finished.json at train.steps in a run whose checkpoints and metrics stop at step 2 used to make the
     grid skip an unfinished run; it now resumes, with one line saying why."""
@@ -239,6 +242,7 @@ def last_val_loss(run_dir):
             if json.loads(line).get("val_loss") is not None][-1]
 
 
+@pytest.mark.slow
 def test_a_tuning_stage_is_sharded_and_each_arm_trains_at_its_own_best_value(tmp_path, tiny_dataset, capsys):
     tool = tuned_experiment(tmp_path, tiny_dataset)
     tune = tmp_path / "runs" / "tune"

@@ -27,6 +27,7 @@ def summary(run_dir):
     return json.loads((run_dir / "depth_matrix" / "depth_matrix.json").read_text())
 
 
+@pytest.mark.slow
 def test_baseline_has_rank_one_and_full_a_higher_rank(trained_runs, capsys):
     for run_dir in trained_runs.values():
         main([f"checkpoint={run_dir}", "batches=2"])
@@ -44,6 +45,7 @@ def test_baseline_has_rank_one_and_full_a_higher_rank(trained_runs, capsys):
     assert (trained_runs["full"] / "depth_matrix" / "depth_matrix.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_the_comparison_report_shows_every_variants_matrix(trained_runs, tmp_path):
     for run_dir in trained_runs.values():
         main([f"checkpoint={run_dir}", "batches=1", f"out={run_dir / 'depth_matrix'}"])

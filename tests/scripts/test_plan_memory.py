@@ -211,6 +211,7 @@ def long_search():
     return cfg, found
 
 
+@pytest.mark.slow
 def test_48b_at_128k_on_64_gpus_of_80_gib_fits_with_cp_only(long_search):
     _, found = long_search
     assert found and all(p.layout.cp > 1 for p in found)

@@ -43,6 +43,7 @@ def test_importance_is_the_mass_later_reads_give_each_sublayer():
     assert skip_orders([0.2, 0.8, 0.5], seeds=1)["attnres"] == [[1, 3, 2]]
 
 
+@pytest.mark.slow
 def test_k0_is_the_trainers_validation_loss_and_skipping_changes_it(trained_runs):
     report = run_reskip(quick(trained_runs["block"]))
     for name, rows in report["results"].items():

@@ -30,6 +30,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_async_saves_train_and_resume_bitwise_like_synchronous_saves(tmp_path, tiny_dataset):
     synchronous, background, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
     train(fast_train_overrides(synchronous, tiny_dataset, steps=4, **{"train.ckpt_every": 2}))
@@ -49,6 +50,7 @@ def test_async_saves_train_and_resume_bitwise_like_synchronous_saves(tmp_path, t
     assert losses(resumed) == {step: loss for step, loss in losses(synchronous).items() if step > 2}
 
 
+@pytest.mark.slow
 def test_a_process_killed_with_a_save_in_flight_resumes_from_the_previous_checkpoint(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=6, **ASYNC)

@@ -86,6 +86,7 @@ def test_a_blend_of_three_keeps_each_share_within_a_sample_of_its_weight(three_s
     assert all(abs(prefix[name] - weight * 100) <= 2 for name, weight in WEIGHTS.items()), prefix
 
 
+@pytest.mark.slow
 def test_a_blend_trains_and_resumes_bitwise(three_sources, tmp_path):
     root, paths = three_sources
     blend = "[" + ",".join(str(item) for item in blend_list(paths)) + "]"

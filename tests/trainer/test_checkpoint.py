@@ -381,6 +381,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
 def test_resume_auto_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_previous(
         tmp_path, tiny_dataset, four_steps, capfd, corruption):

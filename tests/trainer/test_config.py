@@ -170,6 +170,7 @@ def test_the_old_kernel_impl_reference_is_one_line_naming_the_valid_values():
     assert str(error.value) == "model.kernel_impl='reference' is not valid; allowed: auto | torch | triton"
 
 
+@pytest.mark.slow
 def test_sizes_have_the_documented_parameter_counts():
     active = {}
     for size in ["xs", "s", "m", "l"]:

@@ -57,6 +57,7 @@ def test_every_preset_composes_to_its_schema_plus_what_it_lists(path):
     assert dict(leaves(section, f"{group}.")) == {**schema, **listed(path)}
 
 
+@pytest.mark.slow
 def test_the_schemas_are_registered_by_loading_a_config_not_by_importing_it():
     check = ("from hydra.core.config_store import ConfigStore; import trainer.config as c; "
              "store = ConfigStore.instance().repo; print('schema' in store); c.load_config([]); print('schema' in store)")

@@ -150,6 +150,7 @@ def test_a_killed_preparation_continues_where_it_stopped(corpus, tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_bytes_one_process_writes(corpus, tmp_path):
     out = prepare_text_corpus([corpus[0].parent / "texts"], tmp_path / "two", VOCAB, options=PrepareOptions(workers=2))
     for name in ("tokens.bin", "tokens.idx", "tokenizer.json"):
@@ -308,6 +309,7 @@ def run_module(module, *args):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 def test_prepare_data_cli_and_check_take_the_tokenizer(shared_tokenizer, tmp_path, capsys):
     write_documents(tmp_path / "texts", count=2)
     cli = run_module("scripts.prepare_data", f"source={tmp_path / 'texts'}", f"cache_dir={tmp_path / 'cache'}",
@@ -349,6 +351,7 @@ def test_document_batches_hold_at_least_the_byte_budget():
     assert [d for b in batches for d in b] == documents
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_and_rate_at_the_end(tmp_path):
     write_documents(tmp_path / "texts", count=3)
     controller, terminal = pty.openpty()
@@ -416,6 +419,7 @@ def assert_one_error_line(stderr, fragment, data_path, cache_dir):
     assert not cache_dir.exists() or list(cache_dir.iterdir()) == []  # no half-built dataset left behind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_data", UNUSABLE_DATA)
 def test_unusable_data_is_one_error_line_from_trainer_main(tmp_path, make_data):
     data_path, fragment = make_data(tmp_path)

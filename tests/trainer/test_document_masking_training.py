@@ -72,6 +72,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_the_masked_losses(tmp_path, short_documents):
     for mode in ("none", "full", "selective"):
         trainer = masked_trainer(tmp_path / mode, short_documents, **{"train.activation_checkpointing": mode})

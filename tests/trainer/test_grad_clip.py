@@ -1,6 +1,8 @@
 """train.grad_clip: 0 turns clipping off (Megatron's clip_grad=0), it never zeroes the gradients."""
 import json
 
+import pytest
+
 from conftest import fast_train_overrides
 from parallel.dims import init_distributed
 from trainer.config import load_config
@@ -15,6 +17,7 @@ def losses(run_dir, tiny_dataset, grad_clip):
     return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_grad_clip_zero_trains_like_an_unreachable_clip(tmp_path, tiny_dataset):
     off = losses(tmp_path / "off", tiny_dataset, 0)
     unreachable = losses(tmp_path / "huge", tiny_dataset, 1e9)

@@ -14,6 +14,7 @@ from trainer.hang import HangWatchdog
 from trainer.trainer import Trainer
 
 
+@pytest.mark.slow
 def test_a_step_that_sleeps_past_hang_after_s_leaves_its_stacks_and_a_line(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=2, **{"train.hang_after_s": 1.5, "debug.sleep_at_step": 2,

@@ -64,6 +64,7 @@ def tmpfs(mount_point: Path, options: str):
 
 # -- one run per directory ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_run_on_a_locked_dir_is_refused_in_one_line_and_changes_nothing(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     train(fast_train_overrides(run, tiny_dataset, steps=6, **{"train.stop_after": 3}))
@@ -112,6 +113,7 @@ def test_the_error_line_is_one_write_so_ranks_sharing_stderr_cannot_interleave(m
     assert writes == ["error: run.dir=x is in use\n"]
 
 
+@pytest.mark.slow
 def test_lock_of_a_killed_run_does_not_block_the_next_run(tmp_path, tiny_dataset, capfd):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=200)
@@ -142,6 +144,7 @@ def test_check_refuses_a_dir_a_live_run_holds(tmp_path, tiny_dataset, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: run.dir={run} is in use by another run: pid {os.getpid()}")
 
 
+@pytest.mark.slow
 def test_crash_marker_is_gone_once_the_resumed_run_passes_the_step(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=4, **{"train.ckpt_every": 2, "debug.crash_at_step": 3})
@@ -155,6 +158,7 @@ def test_crash_marker_is_gone_once_the_resumed_run_passes_the_step(tmp_path, tin
 
 # -- finished runs, extending wsd runs -----------------------------------------------------------
 
+@pytest.mark.slow
 def test_relaunching_a_finished_run_changes_nothing(tmp_path, tiny_dataset, capfd):
     run = tmp_path / "run"
     train(fast_train_overrides(run, tiny_dataset, steps=4))
@@ -167,6 +171,7 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, tiny_dataset, capf
            f"pre-decay checkpoint: resume={run}/checkpoints/step_00000003" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_wsd_run_extends_from_its_pre_decay_checkpoint_without_an_lr_jump(tmp_path, tiny_dataset):
     short, longer, extended = tmp_path / "short", tmp_path / "long", tmp_path / "extended"
     # steps=6, decay_fraction=0.2: 5 steps at the peak, 1 decay step. keep_last=1 would prune step 5.
@@ -189,6 +194,7 @@ def test_wsd_run_extends_from_its_pre_decay_checkpoint_without_an_lr_jump(tmp_pa
     assert continued == {step: reference[step] for step in continued}
 
 
+@pytest.mark.slow
 def test_allow_lr_change_extends_a_finished_run_at_the_new_schedules_lr(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     train(fast_train_overrides(run, tiny_dataset, steps=6))
@@ -198,6 +204,7 @@ def test_allow_lr_change_extends_a_finished_run_at_the_new_schedules_lr(tmp_path
     assert lrs[6] == pytest.approx(3e-4) and lrs[7] == pytest.approx(1.65e-3) and lrs[8] == pytest.approx(3e-4)
 
 
+@pytest.mark.slow
 def test_a_new_peak_lr_on_resume_is_refused_or_used_never_ignored(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     train(fast_train_overrides(run, tiny_dataset, steps=8, **{"train.stop_after": 3}))
@@ -213,6 +220,7 @@ def test_a_new_peak_lr_on_resume_is_refused_or_used_never_ignored(tmp_path, tiny
 
 # -- run directories that cannot be written --------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_dir_under_a_file_is_one_line_in_trainer_and_check(tmp_path, tiny_dataset, capsys):
     (tmp_path / "file").write_text("not a directory\n")
     run = tmp_path / "file" / "run"
@@ -241,6 +249,7 @@ def test_read_only_run_dir_is_one_line_in_trainer_and_check(tmp_path, tiny_datas
                                                    "read-only to this user); pick a writable run.dir")
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, tiny_dataset):
     # One checkpoint of model=xs is ~11 MB: the one of step 3 fits in 20 MB, the one of step 6 does not.
     with tmpfs(tmp_path / "small", "size=20m") as small:

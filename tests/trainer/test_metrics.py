@@ -61,6 +61,7 @@ def test_metrics_rows_hold_flat_numbers_and_no_diagnostics(nan_run):
         assert all(value is None or isinstance(value, (int, float)) for value in row.values()), row
 
 
+@pytest.mark.slow
 def test_steps_rerun_after_a_crash_are_logged_once(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=6, **{"train.diag_every": 2})
@@ -91,6 +92,7 @@ def test_keep_rows_up_to_keeps_rows_without_a_step_and_leaves_a_clean_file_untou
     assert path.stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_without_a_terminal_summary_lines_carry_step_of_total_and_eta_and_train_log_keeps_them(
         tmp_path, tiny_dataset):
     run = tmp_path / "run"
@@ -115,6 +117,7 @@ def test_without_a_terminal_summary_lines_carry_step_of_total_and_eta_and_train_
     assert texts[-1] == f"checkpoint {run / 'checkpoints' / 'step_00000004'}"
 
 
+@pytest.mark.slow
 def test_a_launch_that_does_not_train_writes_nothing(tmp_path, tiny_dataset, capfd):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=3)

@@ -230,6 +230,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_preparation_and_the_next_waits_for_them(tiny_dataset, tmp_path):
     """After kill -9 of a preparation, its workers ran on, orphaned, writing into the build directory that the
     next preparation took over. Here each worker blocks opening a FIFO (a file that never comes)."""

@@ -9,6 +9,7 @@ from trainer.config import ConfigError, load_config
 from trainer.trainer import Trainer
 
 
+@pytest.mark.slow
 def test_a_run_writes_a_trace_of_the_profiled_steps_only(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     Trainer(load_config(fast_train_overrides(run, tiny_dataset, steps=4, **{"debug.profile_steps": "[2,3]"})),

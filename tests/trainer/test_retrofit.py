@@ -60,6 +60,7 @@ def retrofit(run_dir, dataset, source, steps=6, **extra):
     return fast_train_overrides(run_dir, dataset, steps=steps, init_from=str(source), **extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [["variant=block", "variant.block_size=2"], ["variant=full"]])
 def test_retrofit_starts_at_the_baselines_validation_loss(tmp_path, tiny_dataset, baseline_run, variant):
     baseline_val = [r["val_loss"] for r in metrics(baseline_run) if r["step"] == 6 and "val_loss" in r][0]
@@ -75,6 +76,7 @@ def test_retrofit_starts_at_the_baselines_validation_loss(tmp_path, tiny_dataset
           f"at eps 1e-12 {abs(retro_tiny - base_tiny):.2e}")
 
 
+@pytest.mark.slow
 def test_trainable_residual_leaves_every_frozen_parameter_bitwise_unchanged(tmp_path, tiny_dataset, baseline_run, capfd):
     run = tmp_path / "retro"
     train(retrofit(run, tiny_dataset, baseline_run, steps=4, variant="block", **{
@@ -102,6 +104,7 @@ def test_trainable_norms_trains_only_the_rmsnorm_gains(tmp_path, tiny_dataset, b
     assert "layers.0.attn_norm.weight" in changed and "norm.weight" in changed
 
 
+@pytest.mark.slow
 def test_unfreeze_after_and_resume_before_at_and_after_it_give_the_uninterrupted_losses(tmp_path, tiny_dataset, baseline_run):
     settings = {"variant": "block", "variant.block_size": 2, "train.trainable": "residual", "train.unfreeze_after": 3}
     straight = tmp_path / "straight"
@@ -116,6 +119,7 @@ def test_unfreeze_after_and_resume_before_at_and_after_it_give_the_uninterrupted
     assert not torch.equal(source["layers.1.attn_norm.weight"], after["layers.1.attn_norm.weight"])  # unfrozen
 
 
+@pytest.mark.slow
 def test_init_from_is_ignored_on_resume(tmp_path, tiny_dataset, baseline_run, capfd):
     run = tmp_path / "run"
     train(retrofit(run, tiny_dataset, baseline_run, steps=4, variant="block", **{"train.stop_after": 3}))
@@ -125,6 +129,7 @@ def test_init_from_is_ignored_on_resume(tmp_path, tiny_dataset, baseline_run, ca
     assert max(losses(run)) == 4
 
 
+@pytest.mark.slow
 def test_an_incompatible_source_is_one_line_naming_the_parameter(tmp_path, tiny_dataset, baseline_run):
     wider = tmp_path / "wider"
     train(fast_train_overrides(wider, tiny_dataset, steps=1, variant="baseline", **{"model.dense_inter": 128}))
@@ -138,6 +143,7 @@ def test_an_incompatible_source_is_one_line_naming_the_parameter(tmp_path, tiny_
         Trainer(load_config(retrofit(tmp_path / "b", tiny_dataset, block, variant="baseline")), init_distributed())
 
 
+@pytest.mark.slow
 def test_a_missing_init_from_is_one_error_line(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "trainer.main",

@@ -213,6 +213,7 @@ def saved_before_the_renames(meta):
     meta["model_fingerprint"] = meta["model_fingerprint"].replace(" variant.kind=", " variant.variant=")
 
 
+@pytest.mark.slow
 def test_a_run_saved_before_the_renames_reads_and_resumes(run, finished_run, tiny_dataset):
     """The run directories of runs in progress at the renames: their checkpoints' meta.json (config and model
     fingerprint) and config.yaml (scripts.report's read) hold the old key and value, and the run resumes and
@@ -312,6 +313,7 @@ def test_a_malformed_pinned_json_is_refused_at_start(run, tiny_dataset):
                                  "(it only keeps the checkpoints it names from pruning)")
 
 
+@pytest.mark.slow
 def test_every_reader_of_a_run_answers_mutations_with_one_line_or_a_value(finished_run, fresh_trainer, tmp_path):
     """meta.json (resealed and not), extra/rank_0.json and pinned.json, fed seeded mutations: each reader
     returns or raises its own one-line error, never another exception."""

@@ -127,6 +127,7 @@ def test_a_megatron_prefix_whose_idx_does_not_describe_its_bin_is_one_line(tiny_
     assert str(error.value) == f"{prefix}.idx: {reason}; it does not index {prefix}.bin, build the prefix again"
 
 
+@pytest.mark.slow
 def test_randomly_damaged_resealed_idx_files_are_one_line_or_read_whole(tiny_dataset, tmp_path):
     """Every array of tokens.idx edited (mutated_arrays) and its bytes damaged (mutated_bytes), the manifest
     resealed each time: the dataset is refused naming tokens.idx, or every training sample still reads."""

@@ -44,6 +44,7 @@ def assert_continues(moved, reference, steps) -> None:
         assert found[step] == pytest.approx(expected[step], rel=CROSS_PRECISION_REL), (moved.name, step)
 
 
+@pytest.mark.slow
 def test_stop_and_resume_gives_the_uninterrupted_losses_bitwise(tmp_path, tiny_dataset):
     """fp32 (train.precision=auto on CPU); its step-4 checkpoint also continues in bf16."""
     train(fast_train_overrides(tmp_path / "straight", tiny_dataset, steps=8))
@@ -62,6 +63,7 @@ def test_stop_and_resume_gives_the_uninterrupted_losses_bitwise(tmp_path, tiny_d
     assert_continues(tmp_path / "in_bf16", tmp_path / "straight", steps=range(5, 9))
 
 
+@pytest.mark.slow
 def test_bf16_loss_falls_and_resumes_bitwise_and_its_checkpoint_continues_in_fp32(tmp_path, tiny_dataset):
     """train.precision=bf16 on CPU: autocast, fp32 master weights; 2 steps, stop, 2 more == 4 straight."""
     straight, resumed, in_fp32 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "in_fp32"
@@ -82,6 +84,7 @@ def test_bf16_loss_falls_and_resumes_bitwise_and_its_checkpoint_continues_in_fp3
     assert_continues(in_fp32, straight, steps=range(3, 5))
 
 
+@pytest.mark.slow
 def test_loss_falls_and_metrics_and_diagnostics_are_written(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     train(fast_train_overrides(run, tiny_dataset, steps=12, **{"optim.lr": 1e-2, "train.diag_every": 6}))
