@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -48,6 +49,12 @@ class Release:
     @property
     def model_config(self):
         return self.config.model
+
+    @cached_property
+    def mapped(self) -> dict[str, "Mapped"]:
+        """Our tensor name -> its Mapped: plan() on the release's model built on meta, so checked against the
+        files' headers once, before any weight is read."""
+        return {m.ours: m for m in plan(self, build_model(self.model_config, device="meta").state_dict())}
 
 
 def open_release(directory: str | Path) -> Release:
@@ -149,14 +156,14 @@ def read_into(model: nn.Module, release: Release) -> None:
     note = skipped_note(release)
     if note:
         print(note, file=sys.stderr)
-    mapped = {m.ours: m for m in plan(release, build_model(release.model_config, device="meta").state_dict())}
+    mapped = release.mapped
     fill_held_regions(model, set(mapped), lambda name, shape, index: read_region(release, mapped[name], shape, index))
 
 
 def load_release_model(directory: str | Path) -> tuple[nn.Module, Release]:
     """The release's model, fp32 on the CPU in eval mode, with its weights."""
     release = open_release(directory)
-    plan(release, build_model(release.model_config, device="meta").state_dict())  # before allocating anything
+    release.mapped  # checked before allocating anything
     model = build_model(release.model_config)
     read_into(model, release)
     return model.eval(), release
