@@ -191,7 +191,7 @@ class ModelDir:
     def load(self) -> torch.nn.Module:
         """The model with the directory's weights, fp32 on the CPU in eval mode."""
         if self.release is not None:
-            return load_release_model(self.path)[0]
+            return load_release_model(self.release)
         return load_exported_model(self.path, self.cfg)
 
 

@@ -160,10 +160,9 @@ def read_into(model: nn.Module, release: Release) -> None:
     fill_held_regions(model, set(mapped), lambda name, shape, index: read_region(release, mapped[name], shape, index))
 
 
-def load_release_model(directory: str | Path) -> tuple[nn.Module, Release]:
+def load_release_model(release: Release) -> nn.Module:
     """The release's model, fp32 on the CPU in eval mode, with its weights."""
-    release = open_release(directory)
     release.mapped  # checked before allocating anything
     model = build_model(release.model_config)
     read_into(model, release)
-    return model.eval(), release
+    return model.eval()
