@@ -94,7 +94,9 @@ class PipelineChunk(nn.Module):
         `document_starts` (B, T) bool: the microbatch's document starts (the schedule hands them to every stage)."""
         state = self.decoder.forward_layers(self._unpack(message, microbatch), blocks=self.layers.values(),
                                             document_starts=document_starts)
-        output = self.decoder.read_out(state) if self.is_last else self._pack(state, microbatch)
+        # The last stage's logits in the dtype its stage declares (runner.py's output_args): under autocast they
+        # are bf16, which torch before 2.13 refuses against the declared dtype (2.11 checked).
+        output = self.decoder.read_out(state).to(self.message_dtype) if self.is_last else self._pack(state, microbatch)
         return self._with_aux_loss(output)
 
     def _with_aux_loss(self, output):
