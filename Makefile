@@ -74,7 +74,8 @@ COMPAT_VENV = .compat/$(TORCH)
 # Kernels under the interpreter (with the triton that torch release brings) and compiled ahead of time
 # for sm_80 and sm_90a; one-process training, bf16 and resume (DCP); MLA's causal_lower_right; pp2_vp2 with the
 # cross-stage block cache; fsdp2 from meta and dp2_ep2 (DDP, ep's autograd all-to-all), each both ways with
-# one process; compiled blocks; cached and compiled generation; the safetensors and Hugging Face exports.
+# one process; compiled blocks; cached and compiled generation; the safetensors and Hugging Face exports; K3's
+# MoE options and the Kimi release import (compressed-tensors under that torch).
 # (parallel.cp > 1 is refused before torch 2.13: parallel/compat.py.)
 COMPAT_TESTS ?= tests/kernels/test_attnres_triton.py tests/kernels/test_rmsnorm_triton.py tests/kernels/test_kda.py \
 	"tests/kernels/test_aot.py::test_every_tile_configuration_compiles_without_spills[80]" \
@@ -83,9 +84,10 @@ COMPAT_TESTS ?= tests/kernels/test_attnres_triton.py tests/kernels/test_rmsnorm_
 	tests/trainer/test_trainer.py::test_bf16_loss_falls_and_resumes_bitwise_and_its_checkpoint_continues_in_fp32 \
 	tests/model/test_mla.py tests/parallel/test_pipeline.py::test_checkpoints_move_between_pp_and_single_process \
 	tests/parallel/test_fsdp.py::test_fsdp2_trains_like_one_process_and_checkpoints_move_both_ways \
-	"tests/parallel/test_pipeline.py::test_expert_parallel_trains_like_one_process_and_resumes_in_one_process[dp2_ep2-2-extra1]" \
+	"tests/parallel/test_pipeline.py::test_expert_parallel_trains_like_one_process_and_resumes_in_one_process[dp2_ep2-extra1]" \
 	tests/trainer/test_compile.py::test_compiled_blocks_train_with_the_eager_losses tests/model/test_generation.py \
-	tests/inference/test_export.py tests/inference/test_hf_export.py
+	tests/inference/test_export.py tests/inference/test_hf_export.py tests/model/test_moe_release.py \
+	tests/inference/test_kimi_release.py
 
 compat:
 	@test -n "$(TORCH)" || { echo "make compat: name a torch release, e.g. make compat TORCH=2.11.0" >&2; exit 2; }

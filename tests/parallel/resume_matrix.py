@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import fast_train_overrides, launch_job
+from parallel.compat import context_parallel_refusal
 from trainer.trained import load_trained
 
 STEPS, STOP = 4, 3  # fast_train_overrides checkpoints every 3 steps: step 3 is a checkpoint of every run
@@ -72,7 +73,10 @@ def runs(world: int, root: Path, dataset) -> list[list[str]]:
     """The runs of `world` ranks, in launch order: per preset the uninterrupted run, then the stopped and
     resumed one; then the cross-layout resumptions."""
     planned = []
-    for layout in MATRIX[world]:
+    # parallel.cp > 1 is refused before torch 2.13 (parallel/compat.py): `make compat` on an older release
+    # launches the other presets.
+    runnable = [layout for layout in MATRIX[world] if "cp" not in layout or context_parallel_refusal() is None]
+    for layout in runnable:
         straight, resumed = root / layout / "straight", root / layout / "resumed"
         planned.append(_overrides(straight, dataset, layout))
         if world <= RELAUNCHED_UP_TO:
