@@ -57,6 +57,23 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
     logits = prefill(model, prompt, cache, prefill_chunk)
     step = decode_step(model, compile)
+    return _sampled(prompt, logits, lambda token, _: step(token.unsqueeze(1), cache=cache), max_new_tokens,
+                    temperature, top_p, generator, stop_token)
+
+
+@torch.no_grad()
+def generate_uncached(logits_of, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0, stop_token: int | None = None) -> torch.Tensor:
+    """As `generate`, through a forward that keeps no cache, `logits_of` (B, T) -> (B, T, vocab) (a distributed
+    layout's collective forward): each token comes from a forward over the whole sequence so far."""
+    return _sampled(prompt, logits_of(prompt), lambda _, out: logits_of(out), max_new_tokens, temperature, top_p,
+                    None, stop_token)
+
+
+def _sampled(prompt: torch.Tensor, logits: torch.Tensor, advance, max_new_tokens: int, temperature: float,
+             top_p: float, generator: torch.Generator | None, stop_token: int | None) -> torch.Tensor:
+    """prompt (B, T0) continued from the prompt's `logits`; `advance(token (B,), out (B, T))` gives the logits
+    after the newest token."""
     out = prompt
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
@@ -66,5 +83,5 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
             done |= token == stop_token
             if done.all():
                 break
-        logits = step(token.unsqueeze(1), cache=cache)
+        logits = advance(token, out)
     return out

@@ -18,7 +18,7 @@ from model.decoder import Decoder
 from model.document_masking import document_starts
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compat import DDP_NO_FORWARD_BUFFER_SYNC
-from parallel.dims import DistInfo, Layout
+from parallel.dims import Degrees, DistInfo, Layout
 from parallel.expert import expert_param_names
 from parallel.float8 import convert_to_float8
 from parallel.gradients import all_reduce, clip_grad_norm, finish_gradients
@@ -42,6 +42,15 @@ class Engine(Protocol):
 
     def loss_totals(self, batches, autocast) -> tuple[float, int]:
         """(sum of loss * tokens, tokens) over the batches, totalled over the ranks that split them."""
+
+    def logits(self, inputs: torch.Tensor, autocast) -> torch.Tensor:
+        """(B, T, vocab) logits of `inputs` (B, T) on every rank, through this layout's own forward: the data
+        ranks split the rows, tp and cp the sequence, and the pieces are all-gathered. Collective: every rank
+        passes the same inputs, at most `eval_rows` of them. No rank holds more of the model than it trains with."""
+
+    @property
+    def eval_rows(self) -> int:
+        """The rows one `logits` call runs on the ranks together (their micro-batches side by side)."""
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The whole model's gradient norm, after clipping it to max_norm (0: measure only): the same in
@@ -69,6 +78,39 @@ def rank_share(items: list, layout: Layout, lockstep: bool):
             for index in range(rank, rounds * data_ranks, data_ranks)]
 
 
+def padded(inputs: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """`inputs` (B, T) right-padded to (rows, width) by repeating its last row and column: a causal model's logits
+    of the real tokens do not depend on the padding (trainer/lm_eval_adapter.py), and repeated ids are valid."""
+    inputs = torch.cat([inputs, inputs[:, -1:].expand(-1, width - inputs.shape[1])], dim=1)  # (B, width)
+    return torch.cat([inputs, inputs[-1:].expand(rows - inputs.shape[0], -1)])  # (rows, width)
+
+
+def gather_cat(piece: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """The pieces of `group`'s ranks, in rank order, concatenated along `dim`."""
+    if group is None or dist.get_world_size(group) == 1:
+        return piece
+    pieces = [torch.empty_like(piece) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, piece.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def whole_logits(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Every rank's (b, T/(cp*tp), vocab) logits -> the whole (b * data_ranks, T, vocab) on every rank: the tp
+    slices make their cp slice, the cp slices the sequence (local_sequence's order), the data ranks the rows."""
+    sequence = gather_cat(gather_cat(local, layout.tp_group, dim=1), layout.cp_group, dim=1)  # (b, T, vocab)
+    return gather_cat(sequence, layout.data_group, dim=0)
+
+
+def eval_width(model_cfg, degrees: Degrees, width: int, limit: int) -> int:
+    """The least width >= `width` (and <= `limit`, the trained sequence length, which always fits) that these
+    degrees can split: what Degrees.problems accepts."""
+    step = degrees.sequence_ranks
+    for candidate in range(-(-width // step) * step, limit, step):
+        if not degrees.problems(model_cfg, candidate):
+            return candidate
+    return limit
+
+
 def cp_document_starts(inputs: torch.Tensor, boundary: int | None, layout: Layout) -> torch.Tensor | None:
     """(B, T/cp) document starts of this rank's cp slice, found on the whole sequence (a slice's first token
     may start a document): the token mixers see the cp slice, whole under tp, not this rank's tp slice.
@@ -91,8 +133,9 @@ class DataParallelEngine(Engine):
 
     document_boundary: int | None = None
 
-    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype):
-        self.info, self.layout = info, layout
+    def __init__(self, model: Decoder, info: DistInfo, layout: Layout, seed: int, precision: torch.dtype,
+                 micro_batch: int, seq_len: int):
+        self.info, self.layout, self.micro_batch, self.seq_len = info, layout, micro_batch, seq_len
         materialise_parallel(model, info, layout, seed, precision)
         self.model = self.wrapped = model
         self.lockstep = layout.ep > 1 or layout.fsdp > 1
@@ -147,6 +190,21 @@ class DataParallelEngine(Engine):
         totals = all_reduce(all_reduce(totals, self.layout.tp_group), self.layout.cp_group)
         return totals[0].item(), int(totals[1].item())
 
+    @torch.no_grad()
+    def logits(self, inputs: torch.Tensor, autocast) -> torch.Tensor:
+        rows, width = inputs.shape
+        wide = eval_width(self.model.cfg, self.layout.degrees, width, self.seq_len)
+        share = padded(inputs, self.eval_rows, wide).chunk(self.layout.data_ranks)[self.layout.data_rank]
+        self.model.eval()
+        with autocast():
+            local = self.model(local_sequence(share, self.layout))  # (micro_batch, wide/(cp*tp), vocab)
+        self.model.train()
+        return whole_logits(local, self.layout)[:rows, :width]
+
+    @property
+    def eval_rows(self) -> int:
+        return self.micro_batch * self.layout.data_ranks
+
     def comm_report(self) -> dict | None:
         return None
 
@@ -163,7 +221,7 @@ class PipelineEngine(Engine):
         from parallel.pipeline.plan import PipelinePlan
         from parallel.pipeline.runner import PipelineRunner, build_chunks
 
-        self.info, self.layout = info, layout
+        self.info, self.layout, self.micro_batch, self.seq_len = info, layout, micro_batch, seq_len
         self.plan = PipelinePlan(model.cfg, layout.pp, parallel_cfg.vp, parallel_cfg.pp_cache)
         self.microbatches = microbatches
         # The stages' messages travel in the residual stream's dtype, the embedding's: FSDP's gathered
@@ -216,6 +274,22 @@ class PipelineEngine(Engine):
         self.model.train()
         return loss_sum, tokens
 
+    @torch.no_grad()
+    def logits(self, inputs: torch.Tensor, autocast) -> torch.Tensor:
+        """The stages were built for (micro_batch, seq_len) microbatches, so every call runs a whole pipeline
+        evaluation at that shape."""
+        rows, width = inputs.shape
+        share = padded(inputs, self.eval_rows, self.seq_len).chunk(self.layout.data_ranks)[self.layout.data_rank]
+        share = local_sequence(share, self.layout)  # (microbatches * micro_batch, seq_len/(cp*tp))
+        self.model.eval()
+        local = self.runner.logits(share, autocast)
+        self.model.train()
+        return whole_logits(local, self.layout)[:rows, :width]
+
+    @property
+    def eval_rows(self) -> int:
+        return self.microbatches * self.micro_batch * self.layout.data_ranks
+
     def comm_report(self) -> dict:
         """The planned message layout (vectors per token per transition) and the bytes per token the
         stages of every pipeline rank measured on the tensors they sent, by sender chunk."""
@@ -243,6 +317,6 @@ def build_engine(model: Decoder, info: DistInfo, layout: Layout, parallel_cfg, m
     if layout.pp > 1:
         engine = PipelineEngine(model, info, layout, parallel_cfg, micro_batch, seq_len, microbatches, seed, precision)
     else:
-        engine = DataParallelEngine(model, info, layout, seed, precision)
+        engine = DataParallelEngine(model, info, layout, seed, precision, micro_batch, seq_len)
     engine.document_boundary = document_boundary
     return engine

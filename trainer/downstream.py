@@ -1,10 +1,12 @@
 """train.eval_tasks: lm_eval tasks on the live model during training, at train.eval_tasks_every steps (null:
 train.eval_every) and at the last step, without exporting it.
 
-Rank 0 evaluates one process's model, so every layout logs what one process would, and the other ranks wait
-at a barrier. Under one process or data-parallel replicas that is rank 0's own model. Layouts that split the
-model across ranks (fsdp, pp, tp, ep, cp) first gather its weights to rank 0 (parallel/gather.py) into a
-model of its own, built as one process builds it.
+Under one process or data-parallel replicas rank 0 evaluates its own model while the other ranks wait at a
+barrier. Layouts that split the model across ranks (fsdp, pp, tp, ep, cp) evaluate through their own forward,
+as validation loss does: every rank runs the same tasks in lm_eval, and each batch of requests is one collective
+forward of the engine (parallel/engine.py `logits`), whose whole logits every rank then scores alike; rank 0
+logs them. No rank holds more of the model than it trains with; each holds one batch's logits, as one process
+does. Generation recomputes the sequence each token (no inference cache spans the ranks).
 """
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from model import build_model
-from parallel.dims import Layout, barrier
-from parallel.gather import whole_state_dict
+from parallel.dims import barrier
+from parallel.engine import Engine
 from trainer.config import Config, ConfigError
 from trainer.data.format import tokenizer_vocab_size
 from trainer.lm_eval_adapter import AttnResLM
@@ -28,7 +29,7 @@ SPLITTING = ("fsdp", "pp", "tp", "ep", "cp")
 
 
 class DownstreamEvaluation:
-    def __init__(self, cfg: Config, tokenizer_file: str | Path | None, layout: Layout, device: torch.device,
+    def __init__(self, cfg: Config, tokenizer_file: str | Path | None, device: torch.device,
                  is_main: bool):
         """`tokenizer_file`: the run's tokenizer.json (its dataset's, else data.tokenizer)."""
         train, vocab_size = cfg.train, cfg.model.vocab_size
@@ -39,10 +40,8 @@ class DownstreamEvaluation:
         if not Path(tokenizer_file).is_file():
             raise ConfigError(f"train.eval_tasks: data.tokenizer={tokenizer_file} is no file; give the tokenizer.json "
                               "the data was made with")
-        self.cfg, self.train, self.layout, self.device, self.is_main = cfg, train, layout, device, is_main
-        split = any(getattr(cfg.parallel, key) > 1 for key in SPLITTING)
-        # The whole model's names, shapes and dtypes, which a pipeline rank receives its peers' entries into.
-        self.shapes = build_model(cfg, device="meta").state_dict() if split else None
+        self.train, self.device, self.is_main = train, device, is_main
+        self.split = any(getattr(cfg.parallel, key) > 1 for key in SPLITTING)
         self.every = train.eval_tasks_every or train.eval_every
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         if tokenizer_vocab_size(self.tokenizer) > vocab_size:
@@ -57,26 +56,34 @@ class DownstreamEvaluation:
         return step % self.every == 0 or step == self.train.steps
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module) -> dict:
+    def run(self, engine: Engine, autocast) -> dict:
         """{"eval/<task>/<metric>": value, ..., "eval_tasks_time_s": seconds} on rank 0, {} on the others, once
-        every rank is past it. `model`: this rank's part of the live model. The caller sets the autocast and
-        puts the model back in training mode."""
+        every rank is past it. `engine`: the live model's; `autocast`: the forward's. The caller puts the model
+        back in training mode."""
         metrics = {}
         start = time.perf_counter()
-        if self.shapes is not None:
-            state = whole_state_dict(model, self.layout, self.shapes, self.device)
-            model = self._one_process_model(state) if self.is_main else None
-        if self.is_main:
-            lm = AttnResLM(model, self.tokenizer, self.train.seq_len, batch_size=self.train.micro_batch)
-            # Stderrs are not logged: no bootstrap resampling for the metrics that would need it.
-            tables = run_tasks(lm, self.train.eval_tasks, self.manager, self.limit, bootstrap_iters=0)
-            metrics = {f"eval/{task}/{metric}": measured["value"]
-                       for task, entry in tables.items() for metric, measured in entry["metrics"].items()}
-            metrics["eval_tasks_time_s"] = time.perf_counter() - start
+        if self.split:
+            lm = AttnResLM(LayoutForward(engine, autocast, self.device), self.tokenizer, self.train.seq_len,
+                           batch_size=engine.eval_rows)
+        elif self.is_main:
+            lm = AttnResLM(engine.model, self.tokenizer, self.train.seq_len, batch_size=self.train.micro_batch)
+        if self.split or self.is_main:
+            with autocast():
+                # Stderrs are not logged: no bootstrap resampling for the metrics that would need it.
+                tables = run_tasks(lm, self.train.eval_tasks, self.manager, self.limit, bootstrap_iters=0)
+            if self.is_main:
+                metrics = {f"eval/{task}/{metric}": measured["value"]
+                           for task, entry in tables.items() for metric, measured in entry["metrics"].items()}
+                metrics["eval_tasks_time_s"] = time.perf_counter() - start
         barrier()
         return metrics
 
-    def _one_process_model(self, state: dict) -> torch.nn.Module:
-        model = build_model(self.cfg, device=self.device)
-        model.load_state_dict(state)
-        return model
+
+class LayoutForward:
+    """The engine's collective forward as AttnResLM's model: (B, T) ids -> (B, T, vocab) logits on every rank."""
+
+    def __init__(self, engine: Engine, autocast, device: torch.device):
+        self.engine, self.autocast, self.device = engine, autocast, device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.engine.logits(ids, self.autocast)

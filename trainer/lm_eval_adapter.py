@@ -19,7 +19,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from model.generation import generate
+from model.generation import generate, generate_uncached
 from trainer.data.format import EOT_TOKEN
 
 # lm_eval's own default for a generation task that names no max_gen_toks.
@@ -71,10 +71,12 @@ def warn_truncated(count: int, total: int, kind: str, context: int) -> None:
 
 
 class AttnResLM(TemplateLM):
-    def __init__(self, model: torch.nn.Module, tokenizer, seq_len: int, batch_size: int = 8,
-                 max_length: int | None = None, device: str | None = None):
-        """`model` a Decoder (put in eval mode), `tokenizer` a tokenizers.Tokenizer, `seq_len` the context the
-        model was trained at; max_length (<= seq_len) bounds every input. device None keeps the model where it is."""
+    def __init__(self, model, tokenizer, seq_len: int, batch_size: int = 8, max_length: int | None = None,
+                 device: str | None = None):
+        """`model` a Decoder (put in eval mode), or a forward that keeps no cache (trainer/downstream.py's
+        LayoutForward: (B, T) ids -> (B, T, vocab) logits, with a `device`), whose generation recomputes the
+        sequence each token; `tokenizer` a tokenizers.Tokenizer, `seq_len` the context the model was trained at;
+        max_length (<= seq_len) bounds every input. device None keeps the model where it is."""
         super().__init__()
         self._batch_size = positive_int("batch_size", batch_size)
         self._max_length = seq_len if max_length is None else positive_int("max_length", max_length)
@@ -87,8 +89,11 @@ class AttnResLM(TemplateLM):
                                 "give the tokenizer the model was trained with")
         self._eot_token_id = eot
         self.tokenizer = tokenizer
-        self._device = next(model.parameters()).device if device is None else pick_device(device)
-        self.model = model.to(self._device).eval()
+        if isinstance(model, torch.nn.Module):
+            self._device = next(model.parameters()).device if device is None else pick_device(device)
+            self.model = model.to(self._device).eval()
+        else:
+            self._device, self.model = model.device, model
 
     @property
     def eot_token_id(self) -> int:
@@ -199,7 +204,9 @@ class AttnResLM(TemplateLM):
     def _generate_one(self, prompt: list[int], kwargs: dict) -> str:
         temperature = kwargs["temperature"] if kwargs["do_sample"] else 0.0
         # generate stops at the end-of-text token itself; stop strings can end inside a token, so they cut the text.
-        tokens = generate(self.model, torch.tensor([prompt], device=self.device), kwargs["max_gen_toks"],
-                          temperature=temperature, top_p=float(kwargs.get("top_p", 1.0)),
-                          stop_token=self.eot_token_id)
+        ids = torch.tensor([prompt], device=self.device)  # (1, T0)
+        sampling = {"temperature": temperature, "top_p": float(kwargs.get("top_p", 1.0)),
+                    "stop_token": self.eot_token_id}
+        cached = isinstance(self.model, torch.nn.Module)
+        tokens = (generate if cached else generate_uncached)(self.model, ids, kwargs["max_gen_toks"], **sampling)
         return postprocess_generated_text(self.tok_decode(tokens[0, len(prompt):].tolist()), kwargs["until"], None)

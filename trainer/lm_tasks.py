@@ -71,7 +71,8 @@ def task_metrics(results: dict) -> dict:
 
 def run_tasks(lm: AttnResLM, names: list[str], manager, limit: int | float | None, num_fewshot: int = 0,
               bootstrap_iters: int = 100000) -> dict:
-    """task_metrics of the tasks `names` on `lm`; limit: examples per task (a fraction below 1: that share)."""
+    """task_metrics of the tasks `names` on `lm`; limit: examples per task (a fraction below 1: that share). Under
+    torchrun lm_eval scores on every rank and tabulates on LOCAL_RANK 0 only: the other ranks get {}."""
     results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=num_fewshot,
                                       limit=limit, log_samples=False, bootstrap_iters=bootstrap_iters)
-    return task_metrics(results)
+    return {} if results is None else task_metrics(results)

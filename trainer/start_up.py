@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from parallel.dims import Layout, barrier
+from parallel.dims import barrier
 from trainer.config import Config, ConfigError
 from trainer.data import Blend, BlendSamples, open_samples
 from trainer.files.safe_io import write_file
@@ -51,15 +51,14 @@ def document_boundary(cfg: Config, blend: Blend) -> int | None:
     return blend.eot_id
 
 
-def downstream_evaluation(cfg: Config, tokenizer_file: Path | None, layout: Layout, device: torch.device,
-                          is_main: bool):
+def downstream_evaluation(cfg: Config, tokenizer_file: Path | None, device: torch.device, is_main: bool):
     """train.eval_tasks' evaluation (trainer/downstream.py), None without tasks."""
     if not cfg.train.eval_tasks:
         return None
     # Imported here: lm-evaluation-harness is the eval extra, which a run without train.eval_tasks needs not.
     from trainer.downstream import DownstreamEvaluation
 
-    return DownstreamEvaluation(cfg, tokenizer_file or cfg.data.tokenizer, layout, device, is_main)
+    return DownstreamEvaluation(cfg, tokenizer_file or cfg.data.tokenizer, device, is_main)
 
 
 def write_run_files(cfg: Config, run_dir: Path, is_main: bool, tokenizer_json: bytes | None,

@@ -73,8 +73,7 @@ class Trainer:
         check_start(cfg, self.run_dir, info.is_main)
         self.samples = open_data(cfg, info.is_main)
         self.tokenizer_json, self.tokenizer_sha256 = run_tokenizer(self.samples.blend.tokenizer_file)
-        self.downstream = downstream_evaluation(cfg, self.samples.blend.tokenizer_file, self.layout, info.device,
-                                                info.is_main)
+        self.downstream = downstream_evaluation(cfg, self.samples.blend.tokenizer_file, info.device, info.is_main)
         torch.manual_seed(cfg.seed)  # identical random streams on every rank
         self.precision = resolve_precision(train.precision, info.device)
         # Built on meta: each engine materialises only this rank's part, with the weights one process
@@ -310,8 +309,7 @@ class Trainer:
         at this step. The RNGs are put back as they were, so training goes on as it would have without it."""
         state = rng_state()
         try:
-            with self._autocast():
-                metrics = self.downstream.run(self.model)
+            metrics = self.downstream.run(self.engine, self._autocast)
         finally:
             set_rng_state(state)
             self.model.train()

@@ -87,32 +87,45 @@ class PipelineRunner:
                      for _ in range(self._message_count(chunk, False)))
 
     def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None,
-             autocast) -> torch.Tensor:
-        """Mean loss over the microbatches, known on every rank of the pipeline group; every stage's
-        forwards run under `autocast()`. `starts` (B, T) bool document starts or None: the schedule splits
-        keyword arguments into microbatches as it does the inputs and hands them to every stage."""
+             autocast) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean loss over the microbatches, known on every rank of the pipeline group; the last stage's
+        logits of every microbatch on its rank, None on the others). Every stage's forwards run under
+        `autocast()`. `starts` (B, T) bool document starts or None: the schedule splits keyword arguments into
+        microbatches as it does the inputs and hands them to every stage."""
         losses: list[torch.Tensor] = []
         for stage in self.stages:
             stage.autocast = autocast
         self.cache.clear()
         try:
             masking = {} if starts is None else {"document_starts": starts}
-            run(inputs if self.has_first else None, target=targets if self.has_last else None, losses=losses,
-                **masking)
+            outputs = run(inputs if self.has_first else None, target=targets if self.has_last else None,
+                          losses=losses, **masking)
         finally:
             self.cache.clear()  # memory must not grow across steps
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=inputs.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds the losses
-        return loss
+        return loss, outputs if self.has_last else None
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None = None,
              autocast=contextlib.nullcontext) -> torch.Tensor:
-        return self._run(self.schedule.step, inputs, targets, starts, autocast)
+        return self._run(self.schedule.step, inputs, targets, starts, autocast)[0]
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor | None = None,
              autocast=contextlib.nullcontext) -> torch.Tensor:
-        return self._run(self.schedule.eval, inputs, targets, starts, autocast)
+        return self._run(self.schedule.eval, inputs, targets, starts, autocast)[0]
+
+    @torch.no_grad()
+    def logits(self, inputs: torch.Tensor, autocast=contextlib.nullcontext) -> torch.Tensor:
+        """(B, T, vocab) logits of `inputs` (B, T) on every rank of the pipeline group: the last stage's rank
+        sends them by a sum with the others' zeros, which adds nothing. The schedule's loss runs on dummy
+        targets and is dropped."""
+        _, outputs = self._run(self.schedule.eval, inputs, torch.zeros_like(inputs), None, autocast)
+        if outputs is None:
+            outputs = torch.zeros(*inputs.shape, self.plan.cfg.vocab_size, device=inputs.device,
+                                  dtype=self.chunks[-1].message_dtype)
+        dist.all_reduce(outputs, group=self.pp_group)
+        return outputs
 
     def measured_bytes_per_token(self) -> dict[int, float]:
         """Bytes per token this rank's chunks actually sent in the last step, by sender chunk."""

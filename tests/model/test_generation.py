@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model import build_model
-from model.generation import generate, prefill, sample_next
+from model.generation import generate, generate_uncached, prefill, sample_next
 from trainer.config import load_config
 
 
@@ -59,6 +59,18 @@ def test_greedy_generation_continues_with_the_argmax_of_the_full_forward():
     with torch.no_grad():
         for t in range(6, 10):
             assert torch.equal(out[:, t], model(out[:, :t])[:, -1].argmax(-1))
+
+
+def test_generation_without_a_cache_gives_the_cached_tokens_and_stops_at_the_stop_token():
+    """generate_uncached: a distributed layout's train.eval_tasks generation (trainer/downstream.py)."""
+    model = make("block")
+    cached = generate(model, TOKENS[:1, :6], max_new_tokens=5)
+    with torch.no_grad():
+        assert torch.equal(generate_uncached(model, TOKENS[:1, :6], max_new_tokens=5), cached)
+        stop = int(cached[0, 8])
+        first = 6 + cached[0, 6:].tolist().index(stop)
+        stopped = generate_uncached(model, TOKENS[:1, :6], max_new_tokens=5, stop_token=stop)
+    assert torch.equal(stopped, cached[:, :first + 1])
 
 
 def test_sampling_rules():

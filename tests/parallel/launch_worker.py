@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def main(jobs_file: str) -> None:
     try:
         for job in json.loads(Path(jobs_file).read_text()):
             directory = Path(job["directory"])
+            start = time.perf_counter()
             print(f"launch_worker: rank {info.rank} starts {directory}", file=sys.stderr, flush=True)
             with output_into(directory, info.rank):
                 if "parity" in job:
@@ -62,6 +64,8 @@ def main(jobs_file: str) -> None:
             dist.barrier()
             if info.rank == 0:
                 (directory / "done").touch()
+                print(f"launch_worker: {directory.name} took {time.perf_counter() - start:.1f} s", file=sys.stderr,
+                      flush=True)
     finally:
         shutdown()
 

@@ -253,7 +253,7 @@ def assert_composed_like_one_process(settings: dict, root, matrix, dataset) -> N
             assert_like_reference(root / layout / run, reference)
 
 
-# train.eval_tasks at the last step: HSDP gathers its shards to rank 0 for it.
+# train.eval_tasks at the last step: through HSDP's own forward (each data rank scores half the rows).
 HSDP = {"train.micro_batch": 1, "train.grad_clip": 0.5, "train.eval_every": 100, "train.eval_tasks": "[attnres_text]"}
 
 
@@ -270,7 +270,7 @@ def test_four_rank_fsdp_layouts_train_like_one_process_and_checkpoints_move_both
     """The 4-rank layouts, in the session's 4-rank launch.
 
     HSDP (dp2_fsdp2: 2 replicas x 2 shards, one sequence each) for 3 steps: one process's losses, gradient
-    norms, validation loss and train.eval_tasks' scores (the shards gathered to rank 0) (rel 1e-5).
+    norms, validation loss and train.eval_tasks' scores (HSDP's own forward) (rel 1e-5).
     Composed: fsdp2_pp2: 2 pipeline stages, each chunk FSDP2-sharded over 2 ranks (interleaved, 2 chunks per
     rank, so the cross-stage block cache is in use). fsdp2_ep2: 2 data ranks whose experts are split in two,
     every other parameter sharded over 2 ranks. fsdp2_tp2: tp slices (and replicated parameters) sharded over

@@ -133,7 +133,7 @@ def test_dp2_pp2_vp2_trains_like_one_process_and_measures_its_messages(tmp_path,
     assert comm["measured_bytes_per_token"] == [n * d * 4 for n in comm["vectors_per_token"]]
 
 
-# train.eval_tasks at step 2: pp2_vp2 gathers both stages' chunks to rank 0 for it.
+# train.eval_tasks at step 2: pp2_vp2 runs them through its pipeline (PipelineEngine.logits).
 SCORED = {"train.eval_tasks": "[attnres_text]", "train.eval_tasks_every": 2}
 
 
@@ -151,7 +151,7 @@ def checkpoint_runs(root, dataset):
 
 def test_checkpoints_move_between_pp_and_single_process(tiny_dataset, launched):
     """pp2_vp2 -> single and single -> pp2_vp2 both continue with the uninterrupted run's losses; pp2_vp2's
-    train.eval_tasks scores at step 2 (both stages' chunks gathered to rank 0) are one process's."""
+    train.eval_tasks scores at step 2 (through the pipeline, at its training shape) are one process's."""
     root = launched(checkpoint_runs)
     straight, pp_first, single_first = root / "straight", root / "pp_first", root / "single_first"
     reference = losses(straight)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import resume_matrix
-from conftest import fast_train_overrides, launch_job, parity_job, report_lines
+from conftest import fast_train_overrides, launch_job, parity_job, report_lines, task_rows
 from parallel.dims import Degrees, init_distributed
 from trainer.config import ConfigError, load_config, validate_layout
 from trainer.trainer import Trainer
@@ -63,6 +63,8 @@ TP_MUON_TOLERANCE = 2e-4
 
 LAYOUTS = ("tp2", "dp2_ep2", "cp2")
 MUON = {"optim": "muon"}
+# train.eval_tasks at step 4 only: under each layout, through its own collective forward (Engine.logits).
+SCORED = {"train.eval_tasks": "[attnres_text]", "train.eval_tasks_every": 4}
 
 
 @launch_job(2)
@@ -71,11 +73,12 @@ def checkpoint_runs(root, dataset):
     layout; tp2 under Muon stopped after 3 steps, and one process's Muon run stopped there resumed in tp2.
     Each layout's own run stopped after 3 steps is the resume matrix's uninterrupted one."""
     straight = root / "straight"
-    Trainer(load_config(fast_train_overrides(straight, dataset, steps=4)), init_distributed()).fit()
+    Trainer(load_config(fast_train_overrides(straight, dataset, steps=4, **SCORED)), init_distributed()).fit()
     runs = []
     for parallel in LAYOUTS:
         resume_matrix.copy_as_stopped(straight, root / parallel / "single_first")
-        runs.append(fast_train_overrides(root / parallel / "single_first", dataset, steps=4, parallel=parallel))
+        runs.append(fast_train_overrides(root / parallel / "single_first", dataset, steps=4, parallel=parallel,
+                                         **SCORED))
     # Muon under tp2 (trainer/muon.py: each slice's update gathered over tp and orthogonalised whole).
     muon_straight = root / "muon_straight"
     Trainer(load_config(fast_train_overrides(muon_straight, dataset, steps=4, **MUON)), init_distributed()).fit()
@@ -88,7 +91,8 @@ def checkpoint_runs(root, dataset):
 def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tiny_dataset, launched):
     """tp2, dp2_ep2 and cp2 each train like one process (train and validation losses); stopped half-way a
     run resumes in one process, and a single-process checkpoint resumes in the layout, both with the same
-    losses; the same both ways for tp2 under optim=muon. The layout runs are in the session's 2-rank launch."""
+    losses, and the layout's train.eval_tasks scores at step 4 (its own forward, no model gathered) are one
+    process's; the same both ways for tp2 under optim=muon. The layout runs are in the session's 2-rank launch."""
     root, matrix = launched(checkpoint_runs), launched(resume_matrix.JOBS[2])
     straight = root / "straight"
     reference, reference_val = losses(straight)
@@ -115,6 +119,8 @@ def test_checkpoints_move_between_tp_ep_or_cp_and_one_process(tiny_dataset, laun
             for step in train:
                 assert train[step] == pytest.approx(reference[step], rel=1e-5), (label, step)
             assert val[3] == pytest.approx(reference_val[3], rel=1e-5), label
+        scored = task_rows(root / parallel / "single_first")
+        assert sorted(scored) == [4] and scored[4] == pytest.approx(task_rows(straight)[4], rel=1e-5), parallel
 
 
 @pytest.mark.parametrize("overrides, fragment", [
