@@ -13,13 +13,13 @@ import pytest
 
 from scripts.bench import inference as bench_inference
 from scripts.bench import kernels as bench_kernels
-from scripts.gpu_checks.run import CHECKS
+from scripts.gpu_checks.run import CHECKS, REHEARSAL_SLACK
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_check(*args, out):
-    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], capture_output=True, text=True, cwd=REPO, timeout=300,
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], capture_output=True, text=True, cwd=REPO, timeout=900,
                           env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_OUT": str(out)})
 
 
@@ -30,12 +30,14 @@ def test_the_rehearsal_runs_every_check_on_the_cpu_and_skips_only_what_needs_cud
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["rehearse"] and report["device"] != "" and report["torch"].startswith("2.")
     checks = {r["check"]: r for r in report["checks"]}
+    limits = {c.name: c.limit_s for c in CHECKS}
     assert list(checks) == [c.name for c in CHECKS] == ["triton_kernels", "kernel_bandwidth", "fla_chunk_kda",
                                                          "train_step_bf16", "resume", "compiled_decode"]
     for name, r in checks.items():
         # Every check has a step only CUDA can run, and names what it would have measured.
         assert r["status"] in ("PASS", "SKIP") and r["skipped"] and all(len(what) > 20 for what in r["skipped"]), r
         assert r["line"].startswith(f"{r['status']} {name} ") and r["seconds"] < r["limit_s"], r
+        assert r["limit_s"] == limits[name] * REHEARSAL_SLACK, r  # the CPU's slack over the device's limit
         assert (tmp_path / name / "log.txt").is_file()
     assert checks["triton_kernels"]["status"] == "SKIP" and "kernel tests on CUDA" in checks["triton_kernels"]["skipped"][0]
     assert checks["kernel_bandwidth"]["figures"]["copy_gb_per_s"] > 0
