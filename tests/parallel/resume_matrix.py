@@ -5,7 +5,8 @@ every weight of the step-4 checkpoint).
 The runs of one world size are a job (JOBS) of the session's launch of that world size, beside its other
 jobs (tests/conftest.py, `launched`); tests/parallel/test_resume_matrix.py checks them. The uninterrupted runs
 also give other tests their layout's run, stopped after step 3 (copy_as_stopped), instead of training their
-own: test_fsdp's composed layouts, test_tensor_parallel's and test_pipeline's expert-parallel layouts. One
+own: test_fsdp's composed layouts, test_tensor_parallel's and test_pipeline's expert-parallel layouts; and whole,
+test_activation_checkpointing's runs without checkpointing. One
 process runs in the test process.
 
 Up to 2 ranks a run is stopped with train.stop_after=3 and launched again with the same command

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import resume_matrix
 from conftest import fast_train_overrides, launch_job
 from model import build_model
 from parallel.activation_checkpoint import apply_activation_checkpointing
@@ -124,17 +125,20 @@ LAYOUTS = {"pp2_vp2": "full", "dp2_ep2": "selective", "tp2": "selective", "cp2":
 
 @launch_job(2)
 def layout_runs(root, dataset):
-    return [fast_train_overrides(root / layout / ac, dataset, steps=3, parallel=layout,
-                                 **{"train.activation_checkpointing": ac})
-            for layout, mode in LAYOUTS.items() for ac in ("none", mode)]
+    """Each layout with its checkpointing mode; the same layout without is the resume matrix's uninterrupted
+    run (its settings are the same: resume_matrix.MATRIX_SETTINGS)."""
+    return [fast_train_overrides(root / layout, dataset, steps=resume_matrix.STEPS, parallel=layout,
+                                 **resume_matrix.MATRIX_SETTINGS[layout], **{"train.activation_checkpointing": mode})
+            for layout, mode in LAYOUTS.items()]
 
 
 def test_training_under_torchrun_matches_none(launched):
-    """Each layout with and without its checkpointing mode, the eight runs in the session's 2-rank launch: the
-    same losses, gradient norms, expert loads and diagnostics, bitwise."""
-    root = launched(layout_runs)
+    """Each layout with its checkpointing mode, in the session's 2-rank launch, against the resume matrix's
+    uninterrupted run of the layout without: the same losses, gradient norms, expert loads and diagnostics over
+    4 steps, bitwise."""
+    root, matrix = launched(layout_runs), launched(resume_matrix.JOBS[2])
     for layout, mode in LAYOUTS.items():
-        without, checkpointed = logged(root / layout / "none"), logged(root / layout / mode)
-        assert sorted(without) == [1, 2, 3], layout
+        without, checkpointed = logged(matrix / layout / "straight"), logged(root / layout)
+        assert sorted(without) == [1, 2, 3, 4], layout
         assert (without[3][3] is not None) == (layout == "dp2_ep2"), layout  # diagnostics: with the whole model
-        assert checkpointed == without, layout
+        assert checkpointed == without, (layout, mode)
