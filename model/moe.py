@@ -152,8 +152,9 @@ def grouped_mm_refusal(x_sorted: torch.Tensor, w_down: torch.Tensor) -> str | No
     align = _row_alignment(_compute_dtype(x_sorted))
     d, inter = w_down.shape[-1], w_down.shape[-2]
     if d % align or inter % align:
-        return (f"expert_impl=grouped needs d_model ({d}) and moe_inter ({inter}) to be multiples of {align} "
-                f"(16 bytes of {_compute_dtype(x_sorted)}); use expert_impl=loop")
+        return (f"expert_impl=grouped needs the experts' width ({d}: model.moe.latent_dim if set, else d_model) and "
+                f"moe_inter ({inter}) to be multiples of {align} (16 bytes of {_compute_dtype(x_sorted)}); use "
+                "expert_impl=loop")
     return None
 
 

@@ -227,8 +227,9 @@ def test_auto_takes_the_loop_on_cpu_but_gathers_for_decode_and_bad_choices_fail_
         choose_expert_impl("fast", x, weights[2])
     unaligned = make_moe(d=8, inter=6)
     unaligned.expert_impl = "grouped"
-    with pytest.raises(ValueError, match=r"^expert_impl=grouped needs d_model \(8\) and moe_inter \(6\) to be "
-                                         r"multiples of 4 \(16 bytes of torch.float32\); use expert_impl=loop$"):
+    with pytest.raises(ValueError, match=r"^expert_impl=grouped needs the experts' width \(8: model.moe.latent_dim if "
+                                         r"set, else d_model\) and moe_inter \(6\) to be multiples of 4 \(16 bytes "
+                                         r"of torch.float32\); use expert_impl=loop$"):
         unaligned(torch.randn(1, 3, 8))
 
 
