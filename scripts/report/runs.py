@@ -160,10 +160,13 @@ def _shape(model: ModelConfig) -> dict:
 
 @functools.cache
 def known_shapes() -> tuple[tuple[str, dict], ...]:
-    """(name, shape) of every configs/model/ file, read once: merging them is most of a report's load time."""
-    return tuple((path.stem, _shape(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                                                                        OmegaConf.load(path)))))
-                 for path in sorted((CONFIG_DIR / "model").glob("*.yaml")))
+    """(name, shape) of every configs/model/ file, read once: merging them is most of a report's load time. A
+    preset's Hydra defaults list (model=kimi_k3 picks its variant) is no shape."""
+    presets = {path.stem: OmegaConf.load(path) for path in sorted((CONFIG_DIR / "model").glob("*.yaml"))}
+    for values in presets.values():
+        values.pop("defaults", None)
+    return tuple((name, _shape(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))))
+                 for name, values in presets.items())
 
 
 def size_name(model: ModelConfig) -> str:

@@ -262,6 +262,6 @@ def test_only_the_two_phase_read_keeps_a_depth_blocks_phase_1_across_transformer
     """K3's first three blocks (a pipeline stage of 32): the embedding b_0 and the partial sum after each block
     cross the boundaries; the two-phase read adds the phase-1 output of its depth block of 24 sublayers,
     alive until its last member reads. The per-layer read has none."""
-    cfg = load_config(["model=kimi_k3", "variant.block_size=24", f"variant.two_phase={str(two_phase).lower()}"]).model
+    cfg = load_config(["model=kimi_k3", f"variant.two_phase={str(two_phase).lower()}"]).model
     parts = activation_elements(cfg, [0, 1, 2], "full", last=False, cuda=True, seq_len=8192)
     assert parts["depth_state"].a == vectors * cfg.d_model

@@ -23,14 +23,19 @@ VARIANTS = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
 
 def test_groups_are_the_documented_ones():
     assert MODELS == ["kimi_k3", "kimi_linear_48b", "l", "m", "s", "xs"]
-    assert VARIANTS == ["baseline", "block", "denseformer", "full", "hc", "highway", "mhc", "x0"]
+    assert VARIANTS == ["baseline", "block", "denseformer", "full", "hc", "highway", "kimi_k3", "mhc", "x0"]
+
+
+# The presets of another variant's kind: DenseFormer is Full's, Kimi K3's Block AttnRes is Block's.
+KIND_OF_PRESET = {"denseformer": "full", "kimi_k3": "block"}
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_model_and_variant_composes(model, variant):
+    """A variant= on the command line wins over a model preset's own (model=kimi_k3 picks variant=kimi_k3)."""
     cfg = load_config([f"model={model}", f"variant={variant}"])
-    assert cfg.model.residual.kind == ("full" if variant == "denseformer" else variant)  # a preset of Full
+    assert cfg.model.residual.kind == KIND_OF_PRESET.get(variant, variant)
     if variant == "full":
         assert DepthGeometry.of(cfg.model).size == 1
     if variant == "block":  # the default block size gives about 8 depth blocks
@@ -254,3 +259,11 @@ def test_the_48b_model_is_refused_whole_and_accepted_sharded():
                            "parallel.schedule=1f1b", "train.micro_batch=1", "train.global_batch=64"])
     assert memory_problem(sharded, Degrees.of(sharded.parallel, 256)) is None
     assert validate_layout(sharded, 256) == (64, 1)
+
+
+def test_model_kimi_k3_brings_its_block_size_and_a_variant_override_still_wins():
+    """K3's attn_res_block_size is 12 decoder layers: 24 sublayers a block."""
+    assert load_config(["model=kimi_k3"]).model.residual.block_size == 24
+    assert load_config(["model=kimi_k3", "variant.block_size=12"]).model.residual.block_size == 12
+    assert load_config(["model=kimi_k3", "variant=baseline"]).model.residual.kind == "baseline"
+    assert load_config(["model=s"]).model.residual.block_size is None

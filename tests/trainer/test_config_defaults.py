@@ -34,6 +34,7 @@ def listed(path) -> dict:
     """The file's leaves under the keys they set in the composed config (a preset's under its group)."""
     prefix = "" if path.parent == CONFIG_DIR else f"{path.parent.name}."
     values = OmegaConf.to_container(OmegaConf.load(path))
+    values.pop("defaults", None)  # a preset's picks of other groups' presets (variant_picked)
     return {key: value for key, value in leaves(values, prefix) if key.split(".")[0] not in HYDRA_KEYS}
 
 
@@ -54,7 +55,15 @@ def test_every_preset_composes_to_its_schema_plus_what_it_lists(path):
     composed = OmegaConf.structured(load_config([f"{group}={path.stem}"]))
     section = OmegaConf.to_container(OmegaConf.select(composed, "model.residual" if group == "variant" else group))
     schema = {key: value for key, value in DEFAULTS.items() if key.startswith(f"{group}.")}
-    assert dict(leaves(section, f"{group}.")) == {**schema, **listed(path)}
+    assert dict(leaves(section, f"{group}.")) == {**schema, **listed(path), **variant_picked(path)}
+
+
+def variant_picked(path) -> dict:
+    """The leaves of the variant preset a model preset picks in its defaults list (model=kimi_k3 picks
+    variant=kimi_k3), under model.residual where the trainer keeps them."""
+    picked = [choice for entry in OmegaConf.load(path).get("defaults", []) for choice in entry.values()]
+    return {key.replace("variant.", "model.residual.", 1): value
+            for choice in picked for key, value in listed(CONFIG_DIR / "variant" / f"{choice}.yaml").items()}
 
 
 @pytest.mark.slow
