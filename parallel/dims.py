@@ -250,13 +250,26 @@ class Layout:
         return self.degrees.data_ranks * self.degrees.cp
 
 
+_LAYOUTS: dict[tuple, Layout] = {}
+
+
 def build_layout(info: DistInfo, degrees: Degrees) -> Layout:
+    """The layout of `degrees`, built once per process group: a process that trains several runs (scripts.compare,
+    the tests' launches) reuses its groups: each gloo group runs an I/O thread of its own, and ranks holding
+    ~80 of them spent most of their CPU time in epoll_wait (strace, 8 ranks on 2 cores)."""
+    if info.world_size == 1:
+        return Layout()
+    key = (dist.group.WORLD, info.device.type, degrees)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _new_layout(info, degrees)
+    return _LAYOUTS[key]
+
+
+def _new_layout(info: DistInfo, degrees: Degrees) -> Layout:
     """A (dp, fsdp, cp, pp, tp) device mesh over all ranks, tp innermost so tensor-parallel peers are
     neighbours, then cp, and fsdp inside dp so a replica's shards are too. dp is split as (dp / ep, ep)
     for the experts. FSDP shards over fsdp x cp (torchtitan's dp_shard_cp): cp ranks hold the same
     parameters and average their gradients, as data ranks do, experts' included."""
-    if info.world_size == 1:
-        return Layout()
     from torch.distributed.device_mesh import init_device_mesh
 
     dp, fsdp, cp, pp, tp, ep = degrees.dp, degrees.fsdp, degrees.cp, degrees.pp, degrees.tp, degrees.ep

@@ -43,14 +43,21 @@ def to_global_state(state: dict, model: nn.Module, mesh) -> dict:
     placed = _placements(model)
     if not placed:
         return state
+    submeshes: dict[tuple[str, ...], object] = {}
+
+    def submesh(*dims: str):
+        # Slicing a DeviceMesh builds a new one each time (milliseconds at 8 ranks): once per dims a state.
+        if dims not in submeshes:
+            submeshes[dims] = mesh[dims]
+        return submeshes[dims]
 
     def wrap(name: str, value):
         if name not in placed or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
         placement = placed[name][0]
         if isinstance(value, DTensor):
-            return _fsdp_and_tp(value, placement, mesh)
-        return DTensor.from_local(value, mesh[placement.axis], [Shard(placement.dim)], run_check=False)
+            return _fsdp_and_tp(value, placement, submesh)
+        return DTensor.from_local(value, submesh(placement.axis), [Shard(placement.dim)], run_check=False)
 
     return _map_state(state, wrap)
 
@@ -73,14 +80,14 @@ def from_global_state(state: dict, model: nn.Module) -> dict:
     return _map_state(state, unwrap) if placed else state
 
 
-def _fsdp_and_tp(shard: DTensor, placement: Placement, mesh) -> DTensor:
+def _fsdp_and_tp(shard: DTensor, placement: Placement, submesh) -> DTensor:
     """`shard` (FSDP's, rows of this rank's tp slice) as a DTensor of the whole parameter over the (fsdp, tp)
     mesh, sharing its storage; FSDP's shard dimension is fsdp, or fsdp_cp when it shards over the cp ranks
     too. FSDP cut the tp slice along dim 0: when tp cut dim 0 too, fsdp's chunks lie inside each tp slice
-    (tp outer), which DTensor calls a strided shard."""
+    (tp outer), which DTensor calls a strided shard. `submesh(*dims)` slices the layout's mesh."""
     shape = placement.whole_shape(shard.shape)
-    tp = mesh["tp"].size()
+    tp = submesh("tp").size()
     fsdp_placement = _StridedShard(0, split_factor=tp) if placement.dim == 0 else Shard(0)
     fsdp_dim = shard.device_mesh.mesh_dim_names[-1]
-    return DTensor.from_local(shard.to_local(), mesh[fsdp_dim, "tp"], [fsdp_placement, Shard(placement.dim)],
+    return DTensor.from_local(shard.to_local(), submesh(fsdp_dim, "tp"), [fsdp_placement, Shard(placement.dim)],
                               run_check=False, shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())

@@ -34,6 +34,19 @@ def one_thread_per_worker():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def data_cache_of_the_session(tmp_path_factory):
+    """Every dataset and megatron-core sample index the session prepares goes to a cache of its own (the launches
+    and CLI subprocesses inherit it), as on a fresh machine: nothing is read from or left in the user's cache."""
+    saved = os.environ.get("ATTNRES_DATA_CACHE")
+    os.environ["ATTNRES_DATA_CACHE"] = str(tmp_path_factory.mktemp("data_cache"))
+    yield
+    if saved is None:
+        os.environ.pop("ATTNRES_DATA_CACHE")
+    else:
+        os.environ["ATTNRES_DATA_CACHE"] = saved
+
+
 WORDS = "the king queen lord crown sword night day love death speak hath thou thee fair foul ghost".split()
 
 

@@ -187,21 +187,18 @@ class Trainer:
                     # row (a resumed run drops the rows after its checkpoint). A long evaluation is no hang.
                     with watchdog.paused():
                         self._evaluate_tasks(log, record["tokens"])
-                published = self.saver.poll()  # the save in flight, once every rank's write is done
-                if published is not None:
-                    log.print(f"checkpoint {published} written")
+                self._announce_written(log, self.saver.poll())  # the save in flight, once every rank wrote it
                 stopping = train.stop_after is not None and steps_this_launch >= train.stop_after
                 if (self.step % train.ckpt_every == 0 or self.step == train.steps or stopping
                         or self.step == self.pre_decay_step):
+                    self._announce_written(log, self.saver.wait())  # a save still in flight ends first
                     path = self.save()
                     log.print(f"checkpoint {path}" + (" writing in the background" if self.saver.in_flight else ""))
                 watchdog.finish()
                 if stopping:
                     log.print(f"stopping after {steps_this_launch} steps (train.stop_after); resume=auto continues")
                     break
-            published = self.saver.wait()  # training ends when its last checkpoint is written
-            if published is not None:
-                log.print(f"checkpoint {published} written")
+            self._announce_written(log, self.saver.wait())  # training ends when its last checkpoint is written
             if self.step == train.steps and self.info.is_main:
                 record_finished(self.run_dir, self.step)
         finally:
@@ -211,6 +208,11 @@ class Trainer:
                 log.print(f"profile trace {trace}")
             log.close()
         return record
+
+    @staticmethod
+    def _announce_written(log: MetricsLogger, published: Path | None) -> None:
+        if published is not None:
+            log.print(f"checkpoint {published} written")
 
     def _announce(self, log: MetricsLogger) -> None:
         cfg, info = self.cfg, self.info

@@ -51,6 +51,22 @@ def test_async_saves_train_and_resume_bitwise_like_synchronous_saves(tmp_path, t
 
 
 @pytest.mark.slow
+def test_a_save_still_in_flight_when_the_next_is_due_is_published_and_logged_first(tmp_path, tiny_dataset,
+                                                                                   monkeypatch):
+    # Every poll finds the write unfinished, as a slow disk would: step 2's save is still in flight at step 4.
+    monkeypatch.setattr(CheckpointSaver, "poll", lambda self: None)
+    run = tmp_path / "run"
+    train(fast_train_overrides(run, tiny_dataset, steps=4, **ASYNC))
+    lines = [line.split(" ", 2)[2] for line in (run / "train.log").read_text().splitlines() if "checkpoint " in line]
+    checkpoints = run / "checkpoints"
+    saved = (2, 3, 4)  # ckpt_every=2, the wsd schedule's pre-decay step 3, and the last
+    assert lines == [f"checkpoint {checkpoints / f'step_{step:08d}'}{end}"
+                     for step in saved for end in (" writing in the background", " written")]
+    for step in saved:
+        assert verify_checkpoint(checkpoints / f"step_{step:08d}")["step"] == step
+
+
+@pytest.mark.slow
 def test_a_process_killed_with_a_save_in_flight_resumes_from_the_previous_checkpoint(tmp_path, tiny_dataset):
     run = tmp_path / "run"
     overrides = fast_train_overrides(run, tiny_dataset, steps=6, **ASYNC)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -127,7 +128,9 @@ def _single_process_is_fine():
 def _refuse_non_finite(model: nn.Module, step: int) -> None:
     """Raise on every rank if any rank holds a NaN/inf parameter (ranks may hold different parameters,
     e.g. pipeline stages, and must all stop together rather than leave some waiting in a collective)."""
-    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    # This rank's shard of an FSDP parameter: the whole DTensor would all-reduce once per parameter.
+    local = ((name, p.to_local() if isinstance(p, DTensor) else p) for name, p in model.named_parameters())
+    bad = next((name for name, p in local if not torch.isfinite(p).all()), None)
     any_bad = bad is not None
     if _distributed():
         flag = torch.tensor([float(any_bad)], device=next(model.parameters()).device)
