@@ -103,6 +103,25 @@ def variant_overrides(variant: str) -> list[str]:
     return [f"variant={variant}"] + (["variant.two_phase=true"] if variant == "block" else [])
 
 
+def one_process_step(cfg, case: dict, tokens: torch.Tensor, batches: list) -> tuple:
+    """The step in one process: its loss, every gradient, the experts' loads, the gradient norm, and how many
+    elements the unsharded model's block storage holds (the sources of the final read)."""
+    torch.manual_seed(0)
+    reference = skew(build_model(cfg), case)
+    losses, aux_losses = [], []
+    for x, y in batches:
+        losses.append(cross_entropy(reference(x), y))
+        aux_losses.append(reference.aux_loss())  # trained on, not reported: the engines report the LM loss
+    loss = torch.stack(losses).mean()
+    (loss + torch.stack(aux_losses).mean()).backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    loads = {name: m.load_counts.clone() for name, m in reference.named_modules() if isinstance(m, MoE)}
+    norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
+    with torch.no_grad():
+        state = reference.forward_layers(reference.mixer.start(reference.embed(tokens[:MICRO_BATCH, :-1])))
+    return loss.item(), grads, loads, norm, sum(b.numel() for b in state.blocks)
+
+
 def run_case(case: dict, info: DistInfo) -> dict:
     cfg = load_config(["model=xs", *variant_overrides(case["variant"]), "variant.block_size=2",
                        f"model.moe.aux_loss_coef={case.get('aux_loss_coef', 0.0)}", *case.get("extra", [])])
@@ -111,20 +130,10 @@ def run_case(case: dict, info: DistInfo) -> dict:
     tokens = torch.randint(0, cfg.model.vocab_size, (dp * fsdp * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
 
-    torch.manual_seed(0)
-    reference = skew(build_model(cfg), case)
-    losses, aux_losses = [], []
-    for x, y in batches:
-        losses.append(cross_entropy(reference(x), y))
-        aux_losses.append(reference.aux_loss())  # trained on, not reported: the engines report the LM loss
-    reference_loss = torch.stack(losses).mean()
-    (reference_loss + torch.stack(aux_losses).mean()).backward()
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    reference_loads = {name: m.load_counts.clone() for name, m in reference.named_modules() if isinstance(m, MoE)}
-    reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
-    with torch.no_grad():  # block storage of the unsharded model: the sources of the final read
-        state = reference.forward_layers(reference.mixer.start(reference.embed(tokens[:MICRO_BATCH, :-1])))
-        reference_block_elements = sum(b.numel() for b in state.blocks)
+    # One process's step, on rank 0 only (every rank would compute the same), then sent to the others.
+    single = [one_process_step(cfg, case, tokens, batches) if info.rank == 0 else None]
+    dist.broadcast_object_list(single, src=0)
+    reference_loss, reference_grads, reference_loads, reference_norm, reference_block_elements = single[0]
 
     layout = build_layout(info, Degrees(dp=dp, fsdp=fsdp, pp=case["pp"], tp=case["tp"], ep=case["ep"], cp=cp))
     parallel = ParallelConfig(dp=dp, fsdp=fsdp, pp=case["pp"], tp=case["tp"], ep=case["ep"], vp=case.get("vp", 1), cp=cp)
@@ -161,7 +170,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
             state = engine.model.forward_layers(engine.model.mixer.start(engine.model.embed(local)))
             block_elements = sum(b.numel() for b in state.blocks)
 
-    result = torch.tensor([abs(loss.item() - reference_loss.item()), worst, abs(grad_norm - reference_norm)])
+    result = torch.tensor([abs(loss.item() - reference_loss), worst, abs(grad_norm - reference_norm)])
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return {**case, "loss": loss.item(), "loss_error": result[0].item(), "grad_error": result[1].item(),
             "load_error": load_error, "dispatched_widths": sorted(set().union(*(d.widths for d in dispatches))),
