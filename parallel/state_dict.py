@@ -7,6 +7,8 @@ holds. `from_global_state` undoes it after DCP has loaded into them in place.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -43,13 +45,8 @@ def to_global_state(state: dict, model: nn.Module, mesh) -> dict:
     placed = _placements(model)
     if not placed:
         return state
-    submeshes: dict[tuple[str, ...], object] = {}
-
-    def submesh(*dims: str):
-        # Slicing a DeviceMesh builds a new one each time (milliseconds at 8 ranks): once per dims a state.
-        if dims not in submeshes:
-            submeshes[dims] = mesh[dims]
-        return submeshes[dims]
+    # Slicing a DeviceMesh builds a new one each time (milliseconds at 8 ranks): once per dims a state.
+    submesh = functools.cache(lambda *dims: mesh[dims])
 
     def wrap(name: str, value):
         if name not in placed or not isinstance(value, torch.Tensor) or value.dim() == 0:

@@ -38,13 +38,9 @@ def one_thread_per_worker():
 def data_cache_of_the_session(tmp_path_factory):
     """Every dataset and megatron-core sample index the session prepares goes to a cache of its own (the launches
     and CLI subprocesses inherit it), as on a fresh machine: nothing is read from or left in the user's cache."""
-    saved = os.environ.get("ATTNRES_DATA_CACHE")
-    os.environ["ATTNRES_DATA_CACHE"] = str(tmp_path_factory.mktemp("data_cache"))
-    yield
-    if saved is None:
-        os.environ.pop("ATTNRES_DATA_CACHE")
-    else:
-        os.environ["ATTNRES_DATA_CACHE"] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATTNRES_DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
+        yield
 
 
 WORDS = "the king queen lord crown sword night day love death speak hath thou thee fair foul ghost".split()
