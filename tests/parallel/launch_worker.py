@@ -29,7 +29,10 @@ from trainer.config import load_config
 from trainer.data.mcore import megatron_datasets
 from trainer.trainer import Trainer
 
-megatron_datasets()  # every run opens its data with these (imported on first use otherwise)
+# Every run opens its data with these and composes its config with Hydra, each imported on first use otherwise:
+# in the fork server, once for all ranks.
+megatron_datasets()
+load_config([])
 
 
 @contextmanager

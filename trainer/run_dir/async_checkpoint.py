@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -66,7 +67,8 @@ class CheckpointSaver:
         try:
             # A thread, not DCP's process-based writer: pending.target is a /proc/self path of this process.
             written = dcp.async_save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=pending.target,
-                                     process_group=self.group, async_stager=self.stager, no_dist=self.group is None)
+                                     storage_writer=FileSystemWriter(pending.target), process_group=self.group,
+                                     async_stager=self.stager, no_dist=self.group is None)
         except BaseException:
             pending.close()
             raise

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
@@ -337,7 +338,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
     pending = begin_save(run_dir, step, model, extra)
     try:
         with _single_process_is_fine():
-            dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=pending.target)
+            dcp.save(dcp_state(model, optimizers, scheduler, mesh), checkpoint_id=pending.target,
+                     storage_writer=FileSystemWriter(pending.target))
         _barrier()
         publish(pending, meta, keep_last, merge_shares(hash_share(pending.target, *_rank_and_world())))
     finally:
