@@ -88,26 +88,40 @@ def reference_step(cfg, batches, autocast) -> tuple[torch.nn.Module, torch.Tenso
     return reference, torch.stack(losses).mean()
 
 
+def squared_errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(||grads - reference||², ||reference||²) over the parameters of `grads`."""
+    return torch.stack([sum((g - reference[name]).pow(2).sum() for name, g in grads.items()),
+                        sum(reference[name].pow(2).sum() for name in grads)])
+
+
 def relative_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """||grads - reference|| / ||reference|| over the whole model (every parameter's gradient as one
     vector). `grads`: the whole gradients this rank holds, summed over the ranks (pipeline stages hold
     disjoint parts; ranks holding the same part scale both sums alike)."""
-    squares = torch.stack([sum((g - reference[name]).pow(2).sum() for name, g in grads.items()),
-                           sum(reference[name].pow(2).sum() for name in grads)])
+    squares = squared_errors(grads, reference)
     dist.all_reduce(squares)
     return (squares[0] / squares[1]).sqrt().item()
 
 
-def references(cfg, batches, bf16: bool) -> tuple[torch.nn.Module, torch.Tensor, dict]:
-    """reference_step in the case's precision; for bf16 also how far one process in bf16 is from fp32
-    (the scale of bf16's own rounding), as {"bf16_vs_fp32": {"loss", "grad"}} (relative)."""
-    if not bf16:
-        return *reference_step(cfg, batches, contextlib.nullcontext), {}
-    reference, loss = reference_step(cfg, batches, bf16_autocast)
-    fp32, fp32_loss = reference_step(cfg, batches, contextlib.nullcontext)
-    fp32_grads = {name: p.grad for name, p in fp32.named_parameters()}
-    grad = relative_error({name: p.grad for name, p in reference.named_parameters()}, fp32_grads)
-    return reference, loss, {"bf16_vs_fp32": {"loss": abs(loss.item() / fp32_loss.item() - 1), "grad": grad}}
+def one_process_reference(cfg, batches, bf16: bool) -> dict:
+    """reference_step in the case's precision, on rank 0 only (every rank would compute the same) and sent to
+    the others: {"params", "grads", "loss", "load" (the MoE layers' load counts), "scale"}; for bf16, "scale"
+    says how far one process in bf16 is from fp32 (the scale of bf16's own rounding), as
+    {"bf16_vs_fp32": {"loss", "grad"}} (relative)."""
+    reference = [None]
+    if dist.get_rank() == 0:
+        model, loss = reference_step(cfg, batches, bf16_autocast if bf16 else contextlib.nullcontext)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        scale = {}
+        if bf16:
+            fp32, fp32_loss = reference_step(cfg, batches, contextlib.nullcontext)
+            squares = squared_errors(grads, {name: p.grad for name, p in fp32.named_parameters()})
+            scale = {"bf16_vs_fp32": {"loss": abs(loss.item() / fp32_loss.item() - 1),
+                                      "grad": (squares[0] / squares[1]).sqrt().item()}}
+        reference = [{"params": {name: p.detach() for name, p in model.named_parameters()}, "grads": grads,
+                      "loss": loss, "load": [moe.load_counts.clone() for moe in model.moe_layers()], "scale": scale}]
+    dist.broadcast_object_list(reference, src=0)
+    return reference[0]
 
 
 def run_case(case: dict, info: DistInfo) -> dict:
@@ -123,10 +137,10 @@ def run_case(case: dict, info: DistInfo) -> dict:
                            generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
 
-    reference, reference_loss, scale = references(cfg, batches, bf16)
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    reference = one_process_reference(cfg, batches, bf16)
+    reference_params, reference_grads = reference["params"], reference["grads"]
+    reference_loss, reference_load, scale = reference["loss"], reference["load"], reference["scale"]
     reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
-    reference_load = [moe.load_counts.clone() for moe in reference.moe_layers()]
 
     tp = case.get("tp", 1)
     layout = build_layout(info, Degrees(dp=case["dp"], fsdp=case["fsdp"], tp=tp))
@@ -134,8 +148,7 @@ def run_case(case: dict, info: DistInfo) -> dict:
     # Built on meta and filled shard by shard (parallel.fsdp.fill_local_parts): one process's initial weights.
     engine = build_engine(build_model(cfg, device="meta"), info, layout, parallel, MICRO_BATCH, SEQ, MICROBATCHES,
                           seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
-    reference_params = dict(reference.named_parameters())
-    init_error = max((whole(p.detach(), name, engine) - reference_params[name].detach()).abs().max().item()
+    init_error = max((whole(p.detach(), name, engine) - reference_params[name]).abs().max().item()
                      for name, p in engine.model.named_parameters())
     mine = batches[layout.data_rank * MICROBATCHES:(layout.data_rank + 1) * MICROBATCHES]
     loss = engine.forward_backward(mine, autocast, None)
@@ -177,16 +190,16 @@ def pipeline_case(info: DistInfo, on_meta: bool, bf16: bool = False) -> dict:
     generator = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.model.vocab_size, (2 * MICROBATCHES * MICRO_BATCH, SEQ + 1), generator=generator)
     batches = list(zip(tokens[:, :-1].split(MICRO_BATCH), tokens[:, 1:].split(MICRO_BATCH)))
-    reference, reference_loss, scale = references(cfg, batches, bf16)
-    reference_params = dict(reference.named_parameters())
-    reference_grads = {name: p.grad for name, p in reference_params.items()}
-    reference_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
+    reference = one_process_reference(cfg, batches, bf16)
+    reference_params, reference_grads = reference["params"], reference["grads"]
+    reference_loss, scale = reference["loss"], reference["scale"]
+    reference_norm = torch.stack([g.pow(2).sum() for g in reference_grads.values()]).sum().sqrt().item()
 
     layout = build_layout(info, Degrees(fsdp=2, pp=2))
     parallel = ParallelConfig(dp=1, fsdp=2, pp=2, vp=2, schedule="interleaved_1f1b")
     engine = build_engine(build_model(cfg, device="meta" if on_meta else None), info, layout, parallel, MICRO_BATCH,
                           SEQ, MICROBATCHES, seed=cfg.seed, precision=torch.bfloat16 if bf16 else torch.float32)
-    init_error = max((whole(p.detach()) - reference_params[name].detach()).abs().max().item()
+    init_error = max((whole(p.detach()) - reference_params[name]).abs().max().item()
                      for name, p in engine.model.named_parameters())
     reduces = []
     original = _fsdp_param_group.foreach_reduce
